@@ -1,0 +1,123 @@
+"""Validation of :class:`inprocess.Wrapper` keywords (design principle 8).
+
+Every timeout has one meaning, and they nest::
+
+    progress_watchdog_interval, monitor_thread_interval  <  soft_timeout  <  hard_timeout
+    hard_timeout + termination_grace_time  <  barrier_timeout
+    monitor_process_interval, heartbeat_interval  <  heartbeat_timeout
+
+A value of the wrong type, a negative value or a broken order raises
+``ValueError`` naming the keyword and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any, Callable, Optional
+
+_TIMEDELTA_KEYWORDS = (
+    "monitor_thread_interval",
+    "monitor_process_interval",
+    "progress_watchdog_interval",
+    "heartbeat_interval",
+    "soft_timeout",
+    "hard_timeout",
+    "heartbeat_timeout",
+    "barrier_timeout",
+    "completion_timeout",
+    "last_call_wait",
+    "termination_grace_time",
+)
+
+# Keywords that may be zero: waiting nothing is a meaningful choice for them.
+_MAY_BE_ZERO = ("last_call_wait", "termination_grace_time")
+
+
+def _fmt(td: datetime.timedelta) -> str:
+    return f"{td.total_seconds():g}s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    monitor_thread_interval: datetime.timedelta
+    monitor_process_interval: datetime.timedelta
+    progress_watchdog_interval: datetime.timedelta
+    heartbeat_interval: datetime.timedelta
+    soft_timeout: datetime.timedelta
+    hard_timeout: datetime.timedelta
+    heartbeat_timeout: datetime.timedelta
+    barrier_timeout: datetime.timedelta
+    completion_timeout: datetime.timedelta
+    last_call_wait: datetime.timedelta
+    termination_grace_time: datetime.timedelta
+
+    @classmethod
+    def validated(cls, **values: Any) -> "Timeouts":
+        for name in _TIMEDELTA_KEYWORDS:
+            value = values[name]
+            if not isinstance(value, datetime.timedelta):
+                raise ValueError(
+                    f"{name}={value!r} ({type(value).__name__}): expected a datetime.timedelta"
+                )
+            if value < datetime.timedelta(0) or (value == datetime.timedelta(0) and name not in _MAY_BE_ZERO):
+                bound = ">= 0" if name in _MAY_BE_ZERO else "> 0"
+                raise ValueError(f"{name}={_fmt(value)}: expected a duration {bound}")
+        t = cls(**values)
+        t._check_order()
+        return t
+
+    def _check_order(self) -> None:
+        def less(a: str, b: str) -> None:
+            va, vb = getattr(self, a), getattr(self, b)
+            if not va < vb:
+                raise ValueError(f"{a}={_fmt(va)} must be less than {b}={_fmt(vb)}")
+
+        less("progress_watchdog_interval", "soft_timeout")
+        less("monitor_thread_interval", "soft_timeout")
+        less("soft_timeout", "hard_timeout")
+        less("monitor_process_interval", "heartbeat_timeout")
+        less("heartbeat_interval", "heartbeat_timeout")
+        kill_bound = self.hard_timeout + self.termination_grace_time
+        if not kill_bound < self.barrier_timeout:
+            raise ValueError(
+                f"hard_timeout={_fmt(self.hard_timeout)} + termination_grace_time="
+                f"{_fmt(self.termination_grace_time)} must be less than barrier_timeout="
+                f"{_fmt(self.barrier_timeout)}: a hung rank must be killed before the barrier gives up on it"
+            )
+
+
+def check_callable(name: str, value: Any, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a callable or None")
+
+
+def check_path(name: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a path (str or os.PathLike) or None")
+    return os.fspath(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected True or False")
+    return value
+
+
+def check_kwargs(name: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{name}={value!r}: expected a dict of keyword arguments or None")
+    return dict(value)
+
+
+def check_factory(name: str, value: Any) -> Callable[..., Any]:
+    if not callable(value):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a store class or factory")
+    return value  # type: ignore[no-any-return]

@@ -1,0 +1,64 @@
+"""``initialize`` hooks: run on active ranks before each call of the function."""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional
+
+from .exception import RestartAbort
+from .state import FrozenState
+
+
+class Initialize(abc.ABC):
+    """Runs before every call of the wrapped function on an active rank.
+
+    An ``Exception`` raised here is a fault of this rank in this iteration:
+    the job restarts, as if the function had raised it. A ``BaseException``
+    (e.g. :class:`~inprocess.exception.RestartAbort`) terminates this rank.
+    """
+
+    @abc.abstractmethod
+    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+        raise NotImplementedError
+
+
+class RetryController(Initialize):
+    """Stops the job when it has restarted too often or shrunk too far.
+
+    Raises :class:`~inprocess.exception.RestartAbort` before iteration
+    ``max_iterations`` (so at most ``max_iterations`` calls are made), or when
+    fewer than ``min_world_size`` ranks (active and spare) or fewer than
+    ``min_active_world_size`` active ranks remain. The state is the same on
+    every rank, so every rank stops at the same iteration.
+    """
+
+    def __init__(
+        self,
+        max_iterations: Optional[int] = None,
+        min_world_size: int = 1,
+        min_active_world_size: int = 1,
+    ):
+        for name, value, low in (
+            ("max_iterations", max_iterations, 1),
+            ("min_world_size", min_world_size, 1),
+            ("min_active_world_size", min_active_world_size, 1),
+        ):
+            if value is None and name == "max_iterations":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+        self.max_iterations = max_iterations
+        self.min_world_size = min_world_size
+        self.min_active_world_size = min_active_world_size
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        if self.max_iterations is not None and state.iteration >= self.max_iterations:
+            raise RestartAbort(f"iteration {state.iteration} reached max_iterations={self.max_iterations}")
+        if state.world_size < self.min_world_size:
+            raise RestartAbort(f"world_size={state.world_size} fell below min_world_size={self.min_world_size}")
+        if state.active_world_size < self.min_active_world_size:
+            raise RestartAbort(
+                f"active_world_size={state.active_world_size} fell below "
+                f"min_active_world_size={self.min_active_world_size}"
+            )
+        return state

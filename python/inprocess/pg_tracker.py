@@ -1,0 +1,142 @@
+"""The process groups torch creates during a wrapped call: their sockets and their lifetime.
+
+Two facts of torch 2.13 shape this module:
+
+* ``ProcessGroupGloo.abort()`` returns at once but leaves a collective in
+  flight blocked until its peer process exits. A blocked gloo pair returns
+  only when its socket fails, so :func:`release_connections` shuts the pair
+  sockets down: the read in flight fails at once ("Connection closed") and
+  the collective raises. Only sockets that appeared while torch created a
+  process group are touched, never a listening socket (gloo's listener
+  thread aborts the process when accept() fails). ``shutdown(2)`` leaves the
+  descriptors open: gloo still owns them and closes them on destruction.
+* ``~ProcessGroupGloo`` joins its worker threads while the destroying thread
+  holds the GIL, and a worker that destroys a finished work needs the GIL
+  (its ThreadLocalState holds a Python object): if the last reference to a
+  group dies while a worker finishes a work, the process deadlocks (seen
+  here: DDP's Reducer freed during exception unwinding). So every group is
+  kept alive here until :func:`release_groups`, which the engine calls at a
+  point of the restart where the workers are idle.
+
+Both rely on wrapping torch's private
+``distributed_c10d._new_process_group_helper``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+log = logging.getLogger("inprocess")
+
+_lock = threading.Lock()
+_sockets: dict[int, str] = {}  # fd -> "socket:[inode]" when it was recorded
+_groups: list[Any] = []  # what _new_process_group_helper returned: keeps each group alive
+_installed = False
+
+
+def _socket_fds() -> dict[int, str]:
+    out = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[int(name)] = target
+    return out
+
+
+def install() -> bool:
+    """Start tracking the process groups created from now on (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return True
+        try:
+            from torch.distributed import distributed_c10d as c10d
+        except ImportError:
+            return False
+        original = getattr(c10d, "_new_process_group_helper", None)
+        if original is None:
+            log.warning(
+                "torch.distributed has no _new_process_group_helper: gloo collectives in flight "
+                "are released only by the process group's own timeout"
+            )
+            return False
+
+        @functools.wraps(original)
+        def tracking_helper(*args: Any, **kwargs: Any) -> Any:
+            before = _socket_fds()
+            result = None
+            try:
+                result = original(*args, **kwargs)
+                return result
+            finally:
+                after = _socket_fds()
+                new = {fd: t for fd, t in after.items() if before.get(fd) != t}
+                with _lock:
+                    _sockets.update(new)
+                    if result is not None:
+                        _groups.append(result)
+
+        tracking_helper.__inprocess_original__ = original  # type: ignore[attr-defined]
+        c10d._new_process_group_helper = tracking_helper
+        _installed = True
+        return True
+
+
+def tracked() -> tuple[int, int]:
+    """(sockets, groups) currently tracked."""
+    with _lock:
+        return len(_sockets), len(_groups)
+
+
+def release_connections() -> int:
+    """Shut down every tracked connected socket; returns how many were shut down."""
+    with _lock:
+        sockets = dict(_sockets)
+        _sockets.clear()
+    current = _socket_fds()
+    count = 0
+    for fd, identity in sockets.items():
+        if current.get(fd) != identity:
+            continue  # closed, or the number now belongs to someone else
+        try:
+            # gloo closes a pair's descriptor when its peer fails, so it may be gone by now.
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass  # not connected (yet, or any more): nothing in flight on it
+        finally:
+            sock.detach()
+    return count
+
+
+def release_groups() -> int:
+    """Drop the references that keep destroyed groups alive; returns how many.
+
+    Call it where this thread may block briefly and no collective is in
+    flight: destroying a group joins its worker threads.
+    """
+    with _lock:
+        groups = list(_groups)
+        _groups.clear()
+        _sockets.clear()
+    count = len(groups)
+    del groups  # the last references go here, in the caller's thread
+    return count

@@ -1,0 +1,367 @@
+"""The restart control plane: every store operation of a restart, in one place.
+
+Built for 16,384 ranks against one TCPStore: per restart each rank makes O(1)
+store operations of O(1) size (plus the decision, whose size grows with the
+number of faults, not with the world size), no rank reads a per-rank list,
+and nothing is polled. The same code drives the training ranks, the monitor
+processes and the control-plane simulator in ``benchmarks/``.
+
+Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
+
+=====================  =====================================================
+``<i>/event``          "restart" or "complete": the first writer wins
+                       (compare_set); every rank blocks on it (wait)
+``<i>/faults``         fault records of iteration i (JSON lines, append)
+``<i>/completed``      counter of active ranks whose function returned
+``<i>/arrivals``       barrier i counter: +1 per rank, +2**32 more if the
+                       rank arrives terminated (so the leader learns how many
+                       terminated without reading anything)
+``<i>/terminated``     "r," per terminated initial rank (append)
+``<i>/decision``       the membership of iteration i (JSON, written once)
+``<i>/left``           counter of ranks that left after completion
+``topology``           per-rank keys for topology-aware assignments
+``done``               set when the last rank left; the store host waits for it
+=====================  =====================================================
+
+Barrier i (i = 0 is the initial barrier) decides the membership of iteration
+i. The rank whose ``add`` completes the count is the leader: it reads the
+terminated ranks (only if any) and the faults of iteration i-1, runs the rank
+assignment once, writes the decision, and deletes the keys of iteration i-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import socket
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import logging
+
+import torch.distributed as dist
+
+from .exception import InternalError, TimeoutError
+from .membership import Membership
+
+RESTART = "restart"
+COMPLETE = "complete"
+TERMINATED_UNIT = 1 << 32
+COUNT_MASK = TERMINATED_UNIT - 1
+MAX_FAULTS_IN_DECISION = 32
+MAX_MESSAGE = 300
+# Long waits are cut into chunks so that a cancelled waiter notices within one
+# chunk; the fault itself wakes the waiter at once, whatever the chunk.
+WAIT_CHUNK_S = 300.0
+
+_HOST = socket.gethostname()
+log = logging.getLogger("inprocess")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRecord:
+    """What one rank reports about a fault it saw (plain data, no pickle)."""
+
+    rank: int  # initial rank
+    iteration: int
+    kind: str  # "exception", "terminated", "health_check", "killed", ...
+    type: str
+    message: str
+    host: str = _HOST
+    t_ns: int = 0  # CLOCK_MONOTONIC of the host above
+
+    @classmethod
+    def from_exception(cls, rank: int, iteration: int, kind: str, exc: BaseException) -> "FaultRecord":
+        return cls(rank, iteration, kind, type(exc).__name__, str(exc)[:MAX_MESSAGE], _HOST, time.monotonic_ns())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FaultRecord":
+        return cls(
+            int(d["rank"]), int(d["iteration"]), str(d["kind"]), str(d["type"]),
+            str(d["message"]), str(d.get("host", "")), int(d.get("t_ns", 0)),
+        )
+
+
+@dataclasses.dataclass
+class Decision:
+    """The outcome of barrier i, identical on every rank."""
+
+    iteration: int
+    membership: Membership
+    terminated: list[int]  # initial ranks terminated at this barrier
+    faults: list[FaultRecord]  # up to MAX_FAULTS_IN_DECISION of iteration i-1
+    n_faults: int
+    leader: int
+    abort: Optional[str] = None  # set when the job cannot go on
+    t_ns: int = 0
+    host: str = _HOST
+    assignment_ns: int = 0  # how long the rank assignment took on the leader
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "i": self.iteration,
+                "n": self.membership.initial_world_size,
+                "runs": self.membership.encode(),
+                "terminated": self.terminated,
+                "faults": [dataclasses.asdict(f) for f in self.faults[:MAX_FAULTS_IN_DECISION]],
+                "n_faults": self.n_faults,
+                "leader": self.leader,
+                "abort": self.abort,
+                "t_ns": self.t_ns,
+                "host": self.host,
+                "assignment_ns": self.assignment_ns,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Decision":
+        try:
+            d = json.loads(raw)
+            return cls(
+                iteration=int(d["i"]),
+                membership=Membership.decode(d["runs"], int(d["n"])),
+                terminated=[int(r) for r in d["terminated"]],
+                faults=[FaultRecord.from_dict(f) for f in d["faults"]],
+                n_faults=int(d["n_faults"]),
+                leader=int(d["leader"]),
+                abort=d["abort"],
+                t_ns=int(d["t_ns"]),
+                host=str(d["host"]),
+                assignment_ns=int(d.get("assignment_ns", 0)),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e
+
+
+# The leader's computation: (terminated initial ranks, faults of i-1) -> decision.
+DecideFn = Callable[[set[int], list[FaultRecord], int], Decision]
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class RestartProtocol:
+    """Store operations of the restart engine for one wrapped call.
+
+    ``store`` is one client connection. Blocking waits occupy a connection, so
+    a thread that blocks (the restart trigger) gets its own instance over its
+    own connection.
+    """
+
+    def __init__(self, store: dist.Store, call: int = 0):
+        self.store = store
+        self.prefix = f"inprocess/{call}/"
+        self.ops = 0  # store operations made through this instance
+
+    # -- keys ---------------------------------------------------------------
+
+    def key(self, iteration: int, name: str) -> str:
+        return f"{self.prefix}{iteration}/{name}"
+
+    def job_key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    # -- primitive waits ----------------------------------------------------
+
+    def wait_key(
+        self,
+        key: str,
+        timeout: Optional[float],
+        what: str,
+        cancelled: Optional[Callable[[], bool]] = None,
+    ) -> None:
+        """Block until ``key`` exists (the store wakes us: no polling)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            chunk = WAIT_CHUNK_S if deadline is None else min(WAIT_CHUNK_S, deadline - time.monotonic())
+            if chunk <= 0:
+                raise TimeoutError(f"{what}: no answer within {timeout:g}s (key {key})")
+            try:
+                self.ops += 1
+                self.store.wait([key], _td(chunk))
+                return
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+                if cancelled is not None and cancelled():
+                    raise TimeoutError(f"{what}: cancelled (key {key})") from None
+
+    # -- faults and the event -----------------------------------------------
+
+    def record_fault(self, record: FaultRecord) -> None:
+        self.ops += 1
+        self.store.append(self.key(record.iteration, "faults"), record.to_json() + "\n")
+
+    def request_restart(self, iteration: int) -> bool:
+        """Returns False when the iteration had completed already."""
+        self.ops += 1
+        value = self.store.compare_set(self.key(iteration, "event"), "", RESTART)
+        return value.decode() == RESTART
+
+    def restart_requested(self, iteration: int) -> bool:
+        self.ops += 1
+        return bool(self.store.check([self.key(iteration, "event")]))
+
+    def report_fault(self, record: FaultRecord) -> bool:
+        self.record_fault(record)
+        return self.request_restart(record.iteration)
+
+    def wait_event(
+        self, iteration: int, timeout: Optional[float], cancelled: Optional[Callable[[], bool]] = None
+    ) -> str:
+        key = self.key(iteration, "event")
+        self.wait_key(key, timeout, f"iteration {iteration} outcome", cancelled)
+        self.ops += 1
+        value = self.store.get(key).decode()
+        if value not in (RESTART, COMPLETE):
+            raise InternalError(f"iteration {iteration} event holds {value!r}, expected {RESTART!r} or {COMPLETE!r}")
+        return value
+
+    def arrive_completed(self, iteration: int, active_world_size: int) -> None:
+        self.ops += 1
+        count = self.store.add(self.key(iteration, "completed"), 1)
+        if count == active_world_size:
+            self.ops += 1
+            self.store.compare_set(self.key(iteration, "event"), "", COMPLETE)
+
+    # -- barrier ------------------------------------------------------------
+
+    def arrive(self, iteration: int, initial_rank: int, expected: int, terminated: bool) -> tuple[bool, int]:
+        """Count this rank in at barrier ``iteration``.
+
+        Returns (is_leader, terminated count). ``expected`` is the number of
+        ranks that must arrive (every rank of the previous membership).
+        """
+        if terminated:
+            self.ops += 1
+            self.store.append(self.key(iteration, "terminated"), f"{initial_rank},")
+        self.ops += 1
+        value = self.store.add(self.key(iteration, "arrivals"), 1 + (TERMINATED_UNIT if terminated else 0))
+        count = value & COUNT_MASK
+        if count > expected:
+            raise InternalError(f"barrier {iteration}: {count} arrivals, expected {expected}")
+        return count == expected, value >> 32
+
+    def read_terminated(self, iteration: int, count: int) -> set[int]:
+        if count == 0:
+            return set()
+        self.ops += 1
+        raw = self.store.get(self.key(iteration, "terminated")).decode()
+        ranks = {int(r) for r in raw.split(",") if r}
+        if len(ranks) != count:
+            raise InternalError(f"barrier {iteration}: {count} ranks arrived terminated, records name {sorted(ranks)}")
+        return ranks
+
+    def read_faults(self, iteration: int) -> list[FaultRecord]:
+        if iteration < 0:
+            return []
+        key = self.key(iteration, "faults")
+        self.ops += 2
+        self.store.append(key, "")  # creates the key if no fault was recorded, so get() cannot block
+        raw = self.store.get(key).decode()
+        out = []
+        for line in raw.splitlines():
+            if line:
+                try:
+                    out.append(FaultRecord.from_dict(json.loads(line)))
+                except (ValueError, KeyError, TypeError):
+                    out.append(FaultRecord(-1, iteration, "unreadable", "InternalError", line[:MAX_MESSAGE]))
+        return out
+
+    def publish_decision(self, decision: Decision) -> None:
+        self.ops += 1
+        self.store.set(self.key(decision.iteration, "decision"), decision.to_json())
+
+    def wait_decision(self, iteration: int, timeout: float) -> Decision:
+        key = self.key(iteration, "decision")
+        self.wait_key(key, timeout, f"barrier {iteration}")
+        self.ops += 1
+        return Decision.from_json(self.store.get(key))
+
+    def barrier(
+        self,
+        iteration: int,
+        initial_rank: int,
+        expected: int,
+        terminated: bool,
+        decide: DecideFn,
+        timeout: float,
+    ) -> Optional[Decision]:
+        """Arrive at barrier ``iteration`` and return its decision.
+
+        A terminated rank does not wait: it returns None at once unless it is
+        the leader, which must publish the decision before it leaves.
+        """
+        leader, n_terminated = self.arrive(iteration, initial_rank, expected, terminated)
+        log.debug("barrier %d: rank %d arrived (leader=%s, terminated=%d)", iteration, initial_rank, leader, n_terminated)
+        if leader:
+            dead = self.read_terminated(iteration, n_terminated)
+            faults = self.read_faults(iteration - 1)
+            decision = decide(dead, faults, initial_rank)
+            self.publish_decision(decision)
+            self.delete_iteration(iteration - 1)
+            if decision.membership.world_size == 0:
+                self.finish_job(iteration)
+            return decision
+        if terminated:
+            return None
+        return self.wait_decision(iteration, timeout)
+
+    # -- leaving --------------------------------------------------------------
+
+    def leave(self, iteration: int, world_size: int) -> None:
+        """Called by every rank still in the job once the job completed."""
+        self.ops += 1
+        if self.store.add(self.key(iteration, "left"), 1) == world_size:
+            self.finish_job(iteration)
+
+    def finish_job(self, iteration: int) -> None:
+        self.delete_iteration(iteration)
+        self.delete_iteration(iteration - 1)
+        self._delete([self.job_key("topology")])
+        self.ops += 1
+        self.store.set(self.job_key("done"), "1")
+
+    def wait_done(self, timeout: float) -> None:
+        self.wait_key(self.job_key("done"), timeout, "the other ranks leaving")
+        self._delete([self.job_key("done")])
+
+    # -- topology -----------------------------------------------------------
+
+    def publish_local_keys(self, initial_rank: int, keys: list[list[str]]) -> None:
+        self.ops += 1
+        self.store.append(self.job_key("topology"), json.dumps([initial_rank, keys], separators=(",", ":")) + "\n")
+
+    def read_topology(self, initial_world_size: int) -> list[list[list[str]]]:
+        """Per initial rank, the key lists it published (leader only, once per restart)."""
+        self.ops += 1
+        raw = self.store.get(self.job_key("topology")).decode()
+        table: list[Optional[list[list[str]]]] = [None] * initial_world_size
+        for line in raw.splitlines():
+            if line:
+                rank, keys = json.loads(line)
+                table[int(rank)] = keys
+        missing = [r for r, k in enumerate(table) if k is None]
+        if missing:
+            raise InternalError(f"topology keys missing for initial ranks {missing[:16]}")
+        return table  # type: ignore[return-value]
+
+    # -- cleanup --------------------------------------------------------------
+
+    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "terminated", "decision", "left")
+
+    def delete_iteration(self, iteration: int) -> None:
+        if iteration >= 0:
+            self._delete(self.key(iteration, name) for name in self._ITERATION_KEYS)
+
+    def _delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.ops += 1
+            self.store.delete_key(key)

@@ -1,0 +1,109 @@
+"""Stores the restart engine coordinates through (``store_factory``).
+
+``store_factory(**store_kwargs)`` is called once per rank; the engine opens
+extra client connections with :func:`clone` (its restart trigger blocks on
+one, the wrapped function's own rendezvous uses another).
+
+Where the TCPStore server lives: in the process of rank
+``tcp_store_host_rank`` (default 0), which keeps it until every rank has left
+the wrapper. Under torchrun with its shared agent store
+(``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the server
+in the torchrun agent, which outlives any one training process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"environment variable {name} is not set: launch with torchrun, srun or set it")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
+
+
+class TCPStore(dist.TCPStore):
+    """torch's TCPStore, configured from the environment like torch.distributed.
+
+    ``host_name``/``port``/``world_size`` default to MASTER_ADDR, MASTER_PORT
+    and WORLD_SIZE. Rank ``tcp_store_host_rank`` hosts the server.
+    """
+
+    TCP_STORE_HOST_RANK = 0
+
+    def __init__(
+        self,
+        host_name: Optional[str] = None,
+        port: Optional[int] = None,
+        world_size: Optional[int] = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        use_libuv: bool = True,
+        tcp_store_host_rank: Optional[int] = None,
+    ):
+        if host_name is None:
+            host_name = os.environ.get("MASTER_ADDR")
+            if host_name is None:
+                raise ValueError("MASTER_ADDR is not set and no host_name was given")
+        if port is None:
+            port = _env_int("MASTER_PORT")
+        if world_size is None:
+            world_size = _env_int("WORLD_SIZE")
+        rank = _env_int("RANK")
+        self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
+        super().__init__(
+            host_name,
+            port,
+            world_size,
+            self.is_host,
+            timeout,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=multi_tenant,
+            use_libuv=use_libuv,
+        )
+
+
+class FileStore(dist.FileStore):
+    """torch's FileStore, for jobs on a single host (a path every rank can open)."""
+
+    def __init__(self, file_name: Optional[str] = None, world_size: int = -1):
+        if file_name is None:
+            file_name = os.environ.get("INPROCESS_FILE_STORE")
+            if not file_name:
+                raise ValueError("FileStore needs file_name= or INPROCESS_FILE_STORE set")
+        self.file_name = file_name
+        super().__init__(file_name, world_size)
+
+
+class PrefixStore(dist.PrefixStore):
+    """A view of ``store`` whose keys are scoped to one iteration."""
+
+    def __init__(self, iteration: int, store: dist.Store):
+        self.base_store = store
+        self.iteration = iteration
+        super().__init__(f"_inprocess_{iteration}", store)
+
+
+def clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> dist.Store:
+    """A second client connection to the same store."""
+    if isinstance(store, dist.TCPStore):
+        return store.clone()
+    if isinstance(store, dist.FileStore):
+        return dist.FileStore(store.path if hasattr(store, "path") else store.file_name, -1)  # type: ignore[attr-defined]
+    # A custom store without clone(): ask the factory for another client.
+    return store_factory(**store_kwargs)
+
+
+def is_host(store: Any) -> bool:
+    return bool(getattr(store, "is_host", False))

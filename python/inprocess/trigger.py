@@ -1,0 +1,102 @@
+"""The restart trigger: one thread per rank that blocks on the iteration's event key.
+
+When the key says "restart" (set by whichever rank or monitor saw a fault
+first) the trigger interrupts the main thread and runs the ``abort`` hook,
+which releases a main thread blocked in a collective. Nothing here polls: the
+store wakes the thread (design principle 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from .interrupt import MainThreadInterrupter
+from .protocol import RESTART, RestartProtocol
+
+log = logging.getLogger("inprocess")
+
+
+class IterationOutcome:
+    """What the trigger saw for one iteration, for the main thread to collect."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+        self.event: Optional[str] = None
+        self.detected_ns = 0  # when the trigger woke (CLOCK_MONOTONIC)
+        self.aborted_ns = 0
+        self.abort_error: Optional[BaseException] = None
+        self.done = threading.Event()  # set once the outcome is known and, on restart, the abort ran
+
+
+class RestartTrigger:
+    def __init__(
+        self,
+        protocol: RestartProtocol,
+        interrupter: MainThreadInterrupter,
+        run_abort: Callable[[], None],
+    ):
+        self._protocol = protocol
+        self._interrupter = interrupter
+        self._run_abort = run_abort
+        self._cond = threading.Condition()
+        self._armed: Optional[IterationOutcome] = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="inprocess-restart-trigger", daemon=True)
+        self._thread.start()
+
+    def arm(self, iteration: int) -> IterationOutcome:
+        outcome = IterationOutcome(iteration)
+        with self._cond:
+            if self._armed is not None and not self._armed.done.is_set():
+                raise RuntimeError(f"trigger armed for iteration {iteration} while {self._armed.iteration} is open")
+            self._armed = outcome
+            self._cond.notify()
+        return outcome
+
+    def stop(self, timeout: float = 1.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _next(self) -> Optional[IterationOutcome]:
+        with self._cond:
+            while self._armed is None and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            outcome, self._armed = self._armed, None
+            return outcome
+
+    def _loop(self) -> None:
+        while True:
+            outcome = self._next()
+            if outcome is None:
+                return
+            try:
+                outcome.event = self._protocol.wait_event(outcome.iteration, None, lambda: self._stopping)
+            except BaseException as e:  # store gone, or stopping: the main thread decides
+                log.debug("restart trigger stopped waiting on iteration %d: %s", outcome.iteration, e)
+                outcome.abort_error = e
+                outcome.done.set()
+                if self._stopping:
+                    return
+                continue
+            outcome.detected_ns = time.monotonic_ns()
+            log.debug("iteration %d: event %s", outcome.iteration, outcome.event)
+            if outcome.event == RESTART:
+                self._interrupter.fire(f"iteration {outcome.iteration} restarts")
+                try:
+                    self._run_abort()
+                except BaseException as e:
+                    outcome.abort_error = e
+                outcome.aborted_ns = time.monotonic_ns()
+                log.debug("iteration %d: abort done (%.1f ms)", outcome.iteration, (outcome.aborted_ns - outcome.detected_ns) / 1e6)
+            outcome.done.set()

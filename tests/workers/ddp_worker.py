@@ -1,0 +1,165 @@
+"""A rank of a small DDP job under inprocess.Wrapper, with faults from a plan.
+
+Configured by environment variables (tests set them):
+  INPROCESS_TEST_OUT    directory for this rank's JSON result
+  INPROCESS_TEST_PLAN   JSON: {"steps": 40, "faults": [{"iteration": 0, "rank": 2,
+                        "step": 5, "kind": "exception"}], "wrapper": {...}}
+Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort.
+"""
+
+import datetime
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import inprocess
+
+PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))
+OUT = os.environ["INPROCESS_TEST_OUT"]
+INITIAL_RANK = int(os.environ["RANK"])
+logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"), format=f"%(relativeCreated)d r{INITIAL_RANK} %(threadName)s %(message)s")
+if os.environ.get("INPROCESS_TEST_DUMP_AFTER"):
+    faulthandler.dump_traceback_later(float(os.environ["INPROCESS_TEST_DUMP_AFTER"]), exit=False)
+
+
+def td(seconds):
+    return datetime.timedelta(seconds=seconds)
+
+
+def inject(kind):
+    if kind == "exception":
+        raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
+    if kind == "system_exit":
+        sys.exit(3)
+    if kind == "keyboard_interrupt":
+        raise KeyboardInterrupt
+    if kind == "restart_abort":
+        raise inprocess.RestartAbort("injected")
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def make_hooks(spec):
+    """Hooks that raise on a chosen initial rank and iteration (the hook rule tests)."""
+    hooks = {}
+    target = spec.get("raise_in_hook")
+    if not target:
+        return hooks
+    name, rank, iteration = target["hook"], target["rank"], target["iteration"]
+    exc_kind = target.get("kind", "exception")
+
+    def hook(state):
+        if state.initial_rank == rank and state.iteration == iteration:
+            if exc_kind == "exception":
+                raise RuntimeError(f"injected {name} failure")
+            raise SystemExit(7)
+        if name == "abort":
+            inprocess.abort.AbortTorchDistributed()(state)
+        return state
+
+    hooks[name] = hook
+    return hooks
+
+
+def build_rank_assignment(spec):
+    ra = spec.get("rank_assignment")
+    R = inprocess.rank_assignment
+    if ra is None:
+        return None
+    parts = []
+    if "max_active" in ra:
+        parts.append(R.MaxActiveWorldSize(ra["max_active"]))
+    parts += [R.ActivateAllRanks(), R.ShiftRanks()]
+    return inprocess.Compose(*parts)
+
+
+wrapper_spec = PLAN.get("wrapper", {})
+kwargs = dict(
+    barrier_timeout=td(wrapper_spec.get("barrier_timeout", 30)),
+    completion_timeout=td(wrapper_spec.get("completion_timeout", 30)),
+    soft_timeout=td(10),
+    hard_timeout=td(20),
+)
+kwargs.update(make_hooks(wrapper_spec))
+if wrapper_spec.get("max_iterations") is not None:
+    kwargs["initialize"] = inprocess.initialize.RetryController(max_iterations=wrapper_spec["max_iterations"])
+if wrapper_spec.get("max_rank_faults") is not None:
+    kwargs["health_check"] = inprocess.health_check.FaultCounter(wrapper_spec["max_rank_faults"])
+ra = build_rank_assignment(wrapper_spec)
+if ra is not None:
+    kwargs["rank_assignment"] = ra
+
+log = {"initial_rank": INITIAL_RANK, "iterations": [], "fds": [], "threads": []}
+
+
+def count_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@inprocess.Wrapper(**kwargs)
+def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
+    it = call_wrapper.iteration
+    state = call_wrapper.frozen_state
+    log["fds"].append(count_fds())
+    log["threads"].append(threading.active_count())
+    entry = {
+        "iteration": it,
+        "rank": state.active_rank,
+        "world_size": state.active_world_size,
+        "env_rank": os.environ.get("RANK"),
+        "env_world_size": os.environ.get("WORLD_SIZE"),
+        "steps": 0,
+    }
+    log["iterations"].append(entry)
+    dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
+                            world_size=state.active_world_size, timeout=td(60))
+    torch.manual_seed(model_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1234 + state.active_rank)
+    loss = None
+    for step in range(PLAN.get("steps", 20)):
+        call_wrapper.ping()
+        for f in PLAN.get("faults", []):
+            if f["iteration"] == it and f["rank"] == INITIAL_RANK and f["step"] == step:
+                inject(f["kind"])
+        x = torch.randn(32, 16, generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        entry["steps"] = step + 1
+    # Identical parameters on every rank prove the collectives really ran together.
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    dist.destroy_process_group()
+    return {"loss": float(loss.detach()), "checksum": checksum, "iteration": it}
+
+
+def main():
+    result = None
+    exc_name = None
+    try:
+        result = train(7)
+    except BaseException as e:
+        exc_name = type(e).__name__
+        log["exception"] = exc_name
+        log["message"] = str(e)
+    log["result"] = result
+    log["final_fds"] = count_fds()
+    log["final_threads"] = threading.active_count()
+    with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:
+        json.dump(log, f)
+    if exc_name is not None:
+        sys.exit(17)
+
+
+if __name__ == "__main__":
+    main()
