@@ -46,7 +46,8 @@ void register_heartbeat(py::module_& m) {
       .def_readonly("flags", &HeartbeatSnapshot::flags)
       .def_readonly("soft_timeout_ns", &HeartbeatSnapshot::soft_timeout_ns)
       .def_readonly("hard_timeout_ns", &HeartbeatSnapshot::hard_timeout_ns)
-      .def_readonly("phase_since_ns", &HeartbeatSnapshot::phase_since_ns);
+      .def_readonly("phase_since_ns", &HeartbeatSnapshot::phase_since_ns)
+      .def_readonly("world_size", &HeartbeatSnapshot::world_size);
 
   py::class_<HeartbeatPage>(m, "HeartbeatPage")
       .def_static("create", &HeartbeatPage::create, "Create a fresh page (memfd, 0600, no name in /dev/shm).")
@@ -63,7 +64,7 @@ void register_heartbeat(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_flag", &HeartbeatPage::set_flag, py::arg("flag"), py::arg("on"),
            py::call_guard<py::gil_scoped_release>())
-      .def("begin_iteration", &HeartbeatPage::begin_iteration, py::arg("iteration"),
+      .def("begin_iteration", &HeartbeatPage::begin_iteration, py::arg("iteration"), py::arg("world_size"),
            py::call_guard<py::gil_scoped_release>())
       .def("snapshot", &HeartbeatPage::snapshot, py::call_guard<py::gil_scoped_release>());
 }

@@ -172,9 +172,10 @@ void HeartbeatPage::set_flag(uint32_t flag, bool on) noexcept {
   }
 }
 
-void HeartbeatPage::begin_iteration(int64_t iteration) noexcept {
+void HeartbeatPage::begin_iteration(int64_t iteration, int64_t world_size) noexcept {
   if (page_ == nullptr) return;
   const int64_t now = monotonic_ns();
+  page_->world_size.store(world_size, std::memory_order_relaxed);
   page_->auto_progress_ns.store(now, std::memory_order_relaxed);
   page_->manual_progress_ns.store(now, std::memory_order_relaxed);
   page_->flags.fetch_and(~(kManualArmed | kArrivedAtBarrier), std::memory_order_acq_rel);
@@ -194,6 +195,7 @@ HeartbeatSnapshot HeartbeatPage::snapshot() const {
   s.soft_timeout_ns = page_->soft_timeout_ns.load(std::memory_order_acquire);
   s.hard_timeout_ns = page_->hard_timeout_ns.load(std::memory_order_acquire);
   s.phase_since_ns = page_->phase_since_ns.load(std::memory_order_acquire);
+  s.world_size = page_->world_size.load(std::memory_order_acquire);
   return s;
 }
 

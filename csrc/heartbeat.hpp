@@ -47,6 +47,7 @@ struct HeartbeatLayout {
   std::atomic<int64_t> soft_timeout_ns;
   std::atomic<int64_t> hard_timeout_ns;
   std::atomic<int64_t> phase_since_ns;
+  std::atomic<int64_t> world_size;  // ranks in the current membership (a monitor arrives for them)
 };
 static_assert(std::atomic<int64_t>::is_always_lock_free, "shared-memory atomics must be lock-free");
 
@@ -61,6 +62,7 @@ struct HeartbeatSnapshot {
   int64_t soft_timeout_ns;
   int64_t hard_timeout_ns;
   int64_t phase_since_ns;
+  int64_t world_size;
 };
 
 // One page of anonymous shared memory (memfd, mode 0600). It has no name in
@@ -92,7 +94,7 @@ class HeartbeatPage {
   void set_timeouts(int64_t soft_ns, int64_t hard_ns) noexcept;
   void set_flag(uint32_t flag, bool on) noexcept;
   // A new iteration restarts the clocks and disarms the manual timeout.
-  void begin_iteration(int64_t iteration) noexcept;
+  void begin_iteration(int64_t iteration, int64_t world_size) noexcept;
 
   HeartbeatSnapshot snapshot() const;
   HeartbeatLayout* layout() const noexcept { return page_; }

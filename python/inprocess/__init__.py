@@ -3,20 +3,16 @@
 Decorate the training function with :class:`Wrapper`; on a fault on any rank,
 every healthy rank aborts, cleans up, agrees on a new membership and calls
 the function again, in the same process.
+
+Names that need torch load on first use, so that a monitor process can import
+``inprocess.protocol`` without paying for torch.
 """
 
-from . import (
-    abort,
-    completion,
-    exception,
-    finalize,
-    health_check,
-    initialize,
-    rank_assignment,
-    state,
-    store,
-    terminate,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .compose import Compose
 from .exception import (
     HealthCheckError,
@@ -28,9 +24,42 @@ from .exception import (
     TimeoutError,
 )
 from .state import FrozenState, Mode, State
-from .wrap import CallWrapper, RestartRecord, Wrapper, current_call
 
 __version__ = "0.1.0"
+
+_LAZY_ATTRIBUTES = {
+    "CallWrapper": "wrap",
+    "RestartRecord": "wrap",
+    "Wrapper": "wrap",
+    "current_call": "wrap",
+}
+_LAZY_MODULES = (
+    "abort",
+    "completion",
+    "finalize",
+    "health_check",
+    "initialize",
+    "rank_assignment",
+    "store",
+    "terminate",
+    "exception",
+    "state",
+    "compose",
+)
+
+if TYPE_CHECKING:
+    from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
+    from .wrap import CallWrapper, RestartRecord, Wrapper, current_call
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_ATTRIBUTES:
+        module = importlib.import_module(f".{_LAZY_ATTRIBUTES[name]}", __name__)
+        return getattr(module, name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'inprocess' has no attribute {name!r}")
+
 
 __all__ = [
     "CallWrapper",

@@ -29,14 +29,24 @@ class Abort(abc.ABC):
 class AbortTorchDistributed(Abort):
     """Aborts and destroys every torch.distributed process group.
 
-    NCCL communicators are aborted by ``ProcessGroup.abort()``. Gloo groups
-    also have their pair sockets shut down (see :mod:`inprocess.pg_tracker`),
-    because gloo's own abort does not release a collective in flight. Then
-    every group is destroyed, so the next iteration can create new ones.
+    NCCL (and any non-gloo) backends are aborted with their ``abort()``. Gloo
+    backends are not: in torch 2.13 ``ProcessGroupGloo.abort()`` stops the
+    group's worker threads, so a work still queued never completes and a
+    waiter (DDP's ``Reducer::finalize_backward``) blocks forever (seen here).
+    Gloo is released instead by shutting its pair sockets down (see
+    :mod:`inprocess.pg_tracker`): every work in flight or queued then fails
+    at once.
+
+    The groups are destroyed afterwards by the engine, in the main thread,
+    once it is back from the failed iteration: destroying them here, in the
+    restart trigger's thread, while the main thread is still inside DDP's
+    backward, left a bucket's future that never completed (seen here about
+    once in ten restarts).
     """
 
     def __call__(self, state: FrozenState) -> FrozenState:
         try:
+            import torch
             import torch.distributed as dist
         except ImportError:
             return state
@@ -46,12 +56,26 @@ class AbortTorchDistributed(Abort):
         if dist.is_initialized():
             from torch.distributed import distributed_c10d as c10d
 
-            groups = list(c10d._world.pg_map.keys())
-            for group in groups:
-                try:
-                    group.abort()
-                except Exception as e:  # a group already broken by the fault
-                    log.debug("abort of %s failed: %s", group, e)
-            dist.destroy_process_group()
-        log.debug("aborted torch.distributed (%d gloo sockets shut down)", released)
+            for group in list(c10d._world.pg_map.keys()):
+                _abort_non_gloo_backends(group, torch)
+        log.debug("aborted torch.distributed (%d gloo connections shut down)", released)
         return state
+
+
+def _abort_non_gloo_backends(group: object, torch: object) -> None:
+    try:
+        import torch.distributed as dist
+
+        names = str(dist.get_backend(group)).lower()  # type: ignore[arg-type]
+    except Exception:
+        names = ""
+    if "gloo" in names and "nccl" not in names:
+        return
+    try:
+        if "gloo" in names:
+            # Mixed "cpu:gloo,cuda:nccl": abort the NCCL side only.
+            group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
+        else:
+            group.abort()  # type: ignore[attr-defined]
+    except Exception as e:  # a communicator already broken by the fault
+        log.debug("abort of %s failed: %s", group, e)

@@ -39,6 +39,8 @@ class MainThreadInterrupter:
         self._delivered = False
         self._reason = ""
         self._thread_id = threading.get_ident()
+        self.outside_fn = threading.Event()  # set while the main thread is not in the function
+        self.outside_fn.set()
         self._use_signal = threading.current_thread() is threading.main_thread()
         self._previous_handler: Any = None
 
@@ -71,8 +73,10 @@ class MainThreadInterrupter:
         """Marks the main thread as inside the wrapped function."""
         with self.lock:
             self._in_fn = True
+            self.outside_fn.clear()
             if self._fired:
                 self._in_fn = False
+                self.outside_fn.set()
                 self._delivered = True
                 raise RankShouldRestart(self._reason)
         try:
@@ -80,6 +84,7 @@ class MainThreadInterrupter:
         finally:
             with self.lock:
                 self._in_fn = False
+                self.outside_fn.set()
                 pending = self._fired and not self._delivered
                 self._delivered = self._delivered or self._fired
                 if not self._use_signal and self._fired:

@@ -87,6 +87,7 @@ def install() -> bool:
                     _sockets.update(new)
                     if result is not None:
                         _groups.append(result)
+                log.debug("process group created: %d new sockets %s", len(new), sorted(new))
 
         tracking_helper.__inprocess_original__ = original  # type: ignore[attr-defined]
         c10d._new_process_group_helper = tracking_helper
@@ -107,6 +108,8 @@ def release_connections() -> int:
         _sockets.clear()
     current = _socket_fds()
     count = 0
+    gone = [fd for fd, identity in sockets.items() if current.get(fd) != identity]
+    log.debug("releasing %d tracked sockets (%d already closed: %s)", len(sockets), len(gone), gone)
     for fd, identity in sockets.items():
         if current.get(fd) != identity:
             continue  # closed, or the number now belongs to someone else
@@ -128,11 +131,19 @@ def release_connections() -> int:
 
 
 def release_groups() -> int:
-    """Drop the references that keep destroyed groups alive; returns how many.
+    """Destroy every torch.distributed group and drop the references kept here.
 
-    Call it where this thread may block briefly and no collective is in
-    flight: destroying a group joins its worker threads.
+    Call it from the main thread once it is back from the failed iteration
+    (no collective in flight, workers idle): destroying a group joins its
+    worker threads. Returns how many groups were released.
     """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # a group broken by the fault may refuse a clean destroy
+        log.debug("destroy_process_group failed: %s", e)
     with _lock:
         groups = list(_groups)
         _groups.clear()

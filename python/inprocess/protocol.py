@@ -13,9 +13,9 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
                        (compare_set); every rank blocks on it (wait)
 ``<i>/faults``         fault records of iteration i (JSON lines, append)
 ``<i>/completed``      counter of active ranks whose function returned
-``<i>/arrivals``       barrier i counter: +1 per rank, +2**32 more if the
-                       rank arrives terminated (so the leader learns how many
-                       terminated without reading anything)
+``<i>/arrivals``       barrier i counter: +1 per healthy rank, +2**32 per rank
+                       arriving terminated (itself, or its monitor for it)
+``<i>/ready``          set by whoever completes the count of barrier i
 ``<i>/terminated``     "r," per terminated initial rank (append)
 ``<i>/decision``       the membership of iteration i (JSON, written once)
 ``<i>/left``           counter of ranks that left after completion
@@ -24,9 +24,16 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
 =====================  =====================================================
 
 Barrier i (i = 0 is the initial barrier) decides the membership of iteration
-i. The rank whose ``add`` completes the count is the leader: it reads the
+i. Every arrival is one ``add`` that returns (healthy, terminated) so far. The
+first healthy arriver is the leader; the arrival that completes the count
+(healthy or not) sets ``ready``. The leader waits for ``ready``, reads the
 terminated ranks (only if any) and the faults of iteration i-1, runs the rank
-assignment once, writes the decision, and deletes the keys of iteration i-1.
+assignment once, writes the decision and deletes the keys of iteration i-1.
+Only a healthy training rank can lead: a monitor process, arriving for a dead
+rank, holds no rank assignment (and must not: no code crosses the store).
+
+This module imports no torch: monitor processes use it over a lightweight
+store client. A store is anything with torch's Store methods.
 """
 
 from __future__ import annotations
@@ -38,9 +45,8 @@ import socket
 import time
 from typing import Any, Callable, Iterable, Optional
 
+import builtins
 import logging
-
-import torch.distributed as dist
 
 from .exception import InternalError, TimeoutError
 from .membership import Membership
@@ -139,8 +145,49 @@ class Decision:
             raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e
 
 
-# The leader's computation: (terminated initial ranks, faults of i-1) -> decision.
+# The leader's computation: (terminated initial ranks, faults of i-1, leader) -> decision.
 DecideFn = Callable[[set[int], list[FaultRecord], int], Decision]
+
+
+def decide(
+    rank_assignment: Any,
+    previous: Membership,
+    dead: set[int],
+    faults: list[FaultRecord],
+    iteration: int,
+    leader: int,
+    topology: Any = None,
+) -> Decision:
+    """The leader's one decision for the whole job (design principle 3).
+
+    Never raises: a failing rank assignment becomes a decision that ends the
+    job on every rank (``abort``), with the error in its message.
+    """
+    from .rank_assignment import Topology, run_assignment
+
+    start = time.monotonic_ns()
+    abort = None
+    try:
+        membership, newly = run_assignment(
+            rank_assignment, previous, dead, iteration, topology if topology is not None else Topology.empty()
+        )
+        if membership.active_world_size == 0 and membership.world_size > 0:
+            abort = "no active rank is left"
+    except BaseException as e:
+        log.error("rank assignment failed on leader %d: %s: %s", leader, type(e).__name__, e)
+        membership = previous.copy()
+        membership.terminate(dead)
+        newly = set(dead)
+        abort = f"rank assignment failed: {type(e).__name__}: {e}"
+    end = time.monotonic_ns()
+    return Decision(iteration, membership, sorted(newly), faults, len(faults), leader, abort, end, assignment_ns=end - start)
+
+
+def is_timeout(e: BaseException) -> bool:
+    """A wait that ran out of time: torch raises DistStoreError("... timeout ...")."""
+    if isinstance(e, builtins.TimeoutError):
+        return True
+    return type(e).__name__ == "DistStoreError" and "timeout" in str(e).lower()
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -155,7 +202,7 @@ class RestartProtocol:
     own connection.
     """
 
-    def __init__(self, store: dist.Store, call: int = 0):
+    def __init__(self, store: Any, call: int = 0):
         self.store = store
         self.prefix = f"inprocess/{call}/"
         self.ops = 0  # store operations made through this instance
@@ -187,8 +234,8 @@ class RestartProtocol:
                 self.ops += 1
                 self.store.wait([key], _td(chunk))
                 return
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
+            except Exception as e:
+                if not is_timeout(e):
                     raise
                 if cancelled is not None and cancelled():
                     raise TimeoutError(f"{what}: cancelled (key {key})") from None
@@ -233,21 +280,26 @@ class RestartProtocol:
 
     # -- barrier ------------------------------------------------------------
 
-    def arrive(self, iteration: int, initial_rank: int, expected: int, terminated: bool) -> tuple[bool, int]:
-        """Count this rank in at barrier ``iteration``.
+    def arrive(self, iteration: int, initial_rank: int, expected: int, terminated: bool) -> tuple[int, int, bool]:
+        """Count this rank in at barrier ``iteration``: one ``add``.
 
-        Returns (is_leader, terminated count). ``expected`` is the number of
-        ranks that must arrive (every rank of the previous membership).
+        Returns (healthy, terminated, complete) as of this arrival. ``expected``
+        is the number of ranks that must arrive (every rank of the previous
+        membership). The arrival that completes the count sets ``ready``.
         """
         if terminated:
             self.ops += 1
             self.store.append(self.key(iteration, "terminated"), f"{initial_rank},")
         self.ops += 1
-        value = self.store.add(self.key(iteration, "arrivals"), 1 + (TERMINATED_UNIT if terminated else 0))
-        count = value & COUNT_MASK
-        if count > expected:
-            raise InternalError(f"barrier {iteration}: {count} arrivals, expected {expected}")
-        return count == expected, value >> 32
+        value = self.store.add(self.key(iteration, "arrivals"), TERMINATED_UNIT if terminated else 1)
+        healthy, dead = value & COUNT_MASK, value >> 32
+        if healthy + dead > expected:
+            raise InternalError(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
+        complete = healthy + dead == expected
+        if complete and not (healthy == 1 and not terminated):
+            self.ops += 1
+            self.store.set(self.key(iteration, "ready"), "1")
+        return healthy, dead, complete
 
     def read_terminated(self, iteration: int, count: int) -> set[int]:
         if count == 0:
@@ -291,28 +343,35 @@ class RestartProtocol:
         initial_rank: int,
         expected: int,
         terminated: bool,
-        decide: DecideFn,
+        decide: Optional[DecideFn],
         timeout: float,
     ) -> Optional[Decision]:
         """Arrive at barrier ``iteration`` and return its decision.
 
-        A terminated rank does not wait: it returns None at once unless it is
-        the leader, which must publish the decision before it leaves.
+        A terminated arrival (``decide`` may be None) returns None at once: it
+        never waits and never leads. If every rank arrived terminated, the
+        arrival that completes the count ends the job's keys.
         """
-        leader, n_terminated = self.arrive(iteration, initial_rank, expected, terminated)
-        log.debug("barrier %d: rank %d arrived (leader=%s, terminated=%d)", iteration, initial_rank, leader, n_terminated)
-        if leader:
-            dead = self.read_terminated(iteration, n_terminated)
-            faults = self.read_faults(iteration - 1)
-            decision = decide(dead, faults, initial_rank)
-            self.publish_decision(decision)
-            self.delete_iteration(iteration - 1)
-            if decision.membership.world_size == 0:
-                self.finish_job(iteration)
-            return decision
+        healthy, dead, complete = self.arrive(iteration, initial_rank, expected, terminated)
+        log.debug("barrier %d: rank %d arrived (healthy=%d, terminated=%d)", iteration, initial_rank, healthy, dead)
         if terminated:
+            if complete and healthy == 0:
+                self.finish_job(iteration)
             return None
-        return self.wait_decision(iteration, timeout)
+        if healthy != 1:
+            return self.wait_decision(iteration, timeout)
+        # The leader.
+        assert decide is not None
+        if not complete:
+            self.wait_key(self.key(iteration, "ready"), timeout, f"barrier {iteration} (leader)")
+            self.ops += 1
+            dead = self.store.add(self.key(iteration, "arrivals"), 0) >> 32
+        decision = decide(self.read_terminated(iteration, dead), self.read_faults(iteration - 1), initial_rank)
+        self.publish_decision(decision)
+        self.delete_iteration(iteration - 1)
+        if decision.membership.world_size == 0:
+            self.finish_job(iteration)
+        return decision
 
     # -- leaving --------------------------------------------------------------
 
@@ -355,7 +414,7 @@ class RestartProtocol:
 
     # -- cleanup --------------------------------------------------------------
 
-    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "terminated", "decision", "left")
+    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left")
 
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:

@@ -9,12 +9,17 @@ store wakes the thread (design principle 2).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, Optional
 
 from .interrupt import MainThreadInterrupter
 from .protocol import RESTART, RestartProtocol
+
+# Exit status of a rank whose main thread the abort could not release (design
+# principle 9): the launcher sees it and may replace the process.
+EXIT_CODE_UNRELEASABLE = 75
 
 log = logging.getLogger("inprocess")
 
@@ -37,10 +42,14 @@ class RestartTrigger:
         protocol: RestartProtocol,
         interrupter: MainThreadInterrupter,
         run_abort: Callable[[], None],
+        release_timeout: float,
+        leave: Callable[[int], None],
     ):
         self._protocol = protocol
         self._interrupter = interrupter
         self._run_abort = run_abort
+        self._release_timeout = release_timeout
+        self._leave = leave
         self._cond = threading.Condition()
         self._armed: Optional[IterationOutcome] = None
         self._stopping = False
@@ -99,4 +108,21 @@ class RestartTrigger:
                     outcome.abort_error = e
                 outcome.aborted_ns = time.monotonic_ns()
                 log.debug("iteration %d: abort done (%.1f ms)", outcome.iteration, (outcome.aborted_ns - outcome.detected_ns) / 1e6)
+                outcome.done.set()
+                self._escalate_if_stuck(outcome.iteration)
+                continue
             outcome.done.set()
+
+    def _escalate_if_stuck(self, iteration: int) -> None:
+        """A main thread still inside the function after the abort cannot be
+        trusted with the job: the rank leaves it, and the process exits."""
+        if self._interrupter.outside_fn.wait(self._release_timeout):
+            return
+        log.error(
+            "iteration %d: the main thread did not return within %.0fs of the abort; "
+            "this rank leaves the job (exit code %d)", iteration, self._release_timeout, EXIT_CODE_UNRELEASABLE,
+        )
+        try:
+            self._leave(iteration)
+        finally:
+            os._exit(EXIT_CODE_UNRELEASABLE)

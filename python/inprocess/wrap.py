@@ -51,7 +51,8 @@ from .compose import Compose
 from .config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
 from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
 from .membership import Membership
-from .protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol
+from . import protocol
+from .protocol import COMPLETE, Decision, FaultRecord, RestartProtocol
 from .rank_assignment import (
     ActivateAllRanks,
     RankAssignment,
@@ -59,7 +60,6 @@ from .rank_assignment import (
     Topology,
     check_rank_assignment,
     key_gathering_leaves,
-    run_assignment,
 )
 from .state import FrozenState, Mode, State
 from .interrupt import MainThreadInterrupter
@@ -440,8 +440,9 @@ class CallWrapper:
         if outcome.abort_error is not None:
             raise _Terminated(outcome.abort_error, "abort")
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns, aborted_ns=outcome.aborted_ns)
-        # The failed iteration's frames are gone and its collectives ended:
-        # the gloo workers are idle, so destroying the groups cannot deadlock.
+        # Back in the main thread, the failed iteration's frames gone and its
+        # collectives ended: destroying the groups here cannot race with DDP
+        # nor deadlock on the gloo workers (see inprocess.pg_tracker).
         pg_tracker.release_groups()
 
         self._set_phase(_Phase.FINALIZING)
@@ -473,26 +474,9 @@ class CallWrapper:
             raise _Terminated(e, name) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
-        """The leader's one decision for the whole job (design principle 3)."""
-        s = self.state
-        iteration = 0 if self._membership is None else s.iteration + 1
-        previous = self._membership or Membership.all_active(s.initial_world_size)
-        start = time.monotonic_ns()
-        abort = None
-        try:
-            membership, newly = run_assignment(self._w.rank_assignment, previous, dead, iteration, self._read_topology())
-            if membership.active_world_size == 0 and membership.world_size > 0:
-                abort = "no active rank is left"
-        except BaseException as e:
-            log.error("rank assignment failed on leader %d: %s: %s", leader, type(e).__name__, e)
-            membership = previous.copy()
-            membership.terminate(dead)
-            newly = set(dead)
-            abort = f"rank assignment failed: {type(e).__name__}: {e}"
-        return Decision(
-            iteration, membership, sorted(newly), faults, len(faults), leader, abort, time.monotonic_ns(),
-            assignment_ns=time.monotonic_ns() - start,
-        )
+        iteration = 0 if self._membership is None else self.state.iteration + 1
+        previous = self._membership or Membership.all_active(self.state.initial_world_size)
+        return protocol.decide(self._w.rank_assignment, previous, dead, faults, iteration, leader, self._read_topology())
 
     def _read_topology(self) -> Topology:
         if not self._key_owners:
@@ -529,7 +513,7 @@ class CallWrapper:
             os.environ.pop("WORLD_SIZE", None)
         hb = self._heartbeat
         if hb is not None:
-            hb.begin_iteration(s.iteration)
+            hb.begin_iteration(s.iteration, s.world_size)
         if decision.leader == r and decision.iteration > 0:
             self._delete_user_keys(decision.iteration - 1)
 
@@ -603,10 +587,23 @@ class CallWrapper:
             self._key_owners = key_gathering_leaves(self._w.rank_assignment)
             self._interrupter = MainThreadInterrupter()
             self._interrupter.install()
-            self._trigger = RestartTrigger(trigger_protocol, self._interrupter, self._run_abort_hook)
+            self._trigger = RestartTrigger(
+                trigger_protocol,
+                self._interrupter,
+                self._run_abort_hook,
+                release_timeout=_seconds(t.barrier_timeout),
+                leave=functools.partial(self._leave_unreleasable, trigger_protocol),
+            )
         except BaseException:
             self._close()
             raise
+
+    def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
+        """From the trigger thread: count this rank out of the next barrier."""
+        s = self.state
+        e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
+        p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
+        p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
 
     def _run_abort_hook(self) -> None:
         if self._w.abort is not None:

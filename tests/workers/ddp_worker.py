@@ -118,7 +118,7 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     }
     log["iterations"].append(entry)
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
-                            world_size=state.active_world_size, timeout=td(60))
+                            world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 10)))
     torch.manual_seed(model_seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
