@@ -4,7 +4,10 @@ Configured by environment variables (tests set them):
   INPROCESS_TEST_OUT    directory for this rank's JSON result
   INPROCESS_TEST_PLAN   JSON: {"steps": 40, "faults": [{"iteration": 0, "rank": 2,
                         "step": 5, "kind": "exception"}], "wrapper": {...}}
-Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort.
+Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort,
+hang (sleep outside any collective: the peers block in theirs), and
+delayed_exception (raise after "delay" seconds, so the peers are certainly
+blocked in a collective waiting for a rank that hangs).
 """
 
 import datetime
@@ -42,6 +45,12 @@ def inject(kind):
         raise KeyboardInterrupt
     if kind == "restart_abort":
         raise inprocess.RestartAbort("injected")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind.startswith("delayed_exception"):
+        time.sleep(float(kind.split(":")[1]))
+        log["fault_ns"] = time.monotonic_ns()
+        raise RuntimeError(f"delayed fault on initial rank {INITIAL_RANK}")
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
@@ -55,6 +64,8 @@ def make_hooks(spec):
     exc_kind = target.get("kind", "exception")
 
     def hook(state):
+        hits = log.setdefault("hook_calls", {})
+        hits[name] = hits.get(name, 0) + 1
         if state.initial_rank == rank and state.iteration == iteration:
             if exc_kind == "exception":
                 raise RuntimeError(f"injected {name} failure")
@@ -67,12 +78,26 @@ def make_hooks(spec):
     return hooks
 
 
+class RaisingAssignment(inprocess.rank_assignment.RankAssignment):
+    """A rank assignment that fails at one iteration (the hook rule test)."""
+
+    def __init__(self, iteration):
+        self.iteration = iteration
+
+    def __call__(self, ctx):
+        if ctx.iteration == self.iteration:
+            raise RuntimeError(f"injected rank assignment failure at iteration {ctx.iteration}")
+        return ctx
+
+
 def build_rank_assignment(spec):
     ra = spec.get("rank_assignment")
     R = inprocess.rank_assignment
     if ra is None:
         return None
     parts = []
+    if "raise_at_iteration" in ra:
+        parts.append(RaisingAssignment(ra["raise_at_iteration"]))
     if "max_active" in ra:
         parts.append(R.MaxActiveWorldSize(ra["max_active"]))
     parts += [R.ActivateAllRanks(), R.ShiftRanks()]
@@ -95,6 +120,7 @@ ra = build_rank_assignment(wrapper_spec)
 if ra is not None:
     kwargs["rank_assignment"] = ra
 
+LAST_CALL = {}
 log = {"initial_rank": INITIAL_RANK, "iterations": [], "fds": [], "threads": []}
 
 
@@ -104,6 +130,7 @@ def count_fds():
 
 @inprocess.Wrapper(**kwargs)
 def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
+    LAST_CALL["call"] = call_wrapper
     it = call_wrapper.iteration
     state = call_wrapper.frozen_state
     log["fds"].append(count_fds())
@@ -134,7 +161,11 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
         y = x.sum(dim=1, keepdim=True)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException:
+            entry["released_ns"] = time.monotonic_ns()
+            raise
         opt.step()
         entry["steps"] = step + 1
     # Identical parameters on every rank prove the collectives really ran together.
@@ -146,6 +177,8 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
 def main():
     result = None
     exc_name = None
+    log["threads_before"] = threading.active_count()
+    log["fds_before"] = count_fds()
     try:
         result = train(7)
     except BaseException as e:
@@ -153,6 +186,13 @@ def main():
         log["exception"] = exc_name
         log["message"] = str(e)
     log["result"] = result
+    call = LAST_CALL.get("call")
+    log["restarts"] = [
+        {"iteration": r.iteration, "terminated": r.terminated, "n_faults": r.n_faults,
+         "faults": [{"rank": f.rank, "type": f.type, "kind": f.kind} for f in r.faults],
+         "duration_s": r.duration_s}
+        for r in (call.restarts if call is not None else [])
+    ]
     log["final_fds"] = count_fds()
     log["final_threads"] = threading.active_count()
     with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:

@@ -1,0 +1,63 @@
+"""Shared helpers: run a multi-process job of tests/workers/*.py and read what every rank saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Optional
+
+import pytest
+
+from inprocess._local_launch import LocalJob
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+
+
+class JobResult:
+    def __init__(self, job: LocalJob, out_dir: pathlib.Path):
+        self.job = job
+        self.returncodes = [rp.returncode for rp in job.ranks]
+        self.logs: list[Optional[dict[str, Any]]] = []
+        for rank in range(job.world_size):
+            path = out_dir / f"rank{rank}.json"
+            self.logs.append(json.loads(path.read_text()) if path.exists() else None)
+
+    def describe(self) -> str:
+        return self.job.outputs()[-20000:]
+
+    def rank(self, r: int) -> dict[str, Any]:
+        log = self.logs[r]
+        assert log is not None, f"rank {r} wrote no result (rc={self.returncodes[r]}):\n{self.describe()}"
+        return log
+
+
+def run_job(
+    tmp_path: pathlib.Path,
+    plan: dict[str, Any],
+    world_size: int = 4,
+    timeout: float = 90.0,
+    worker: str = "ddp_worker.py",
+    env: Optional[dict[str, str]] = None,
+) -> JobResult:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    job_env = {
+        "INPROCESS_TEST_OUT": str(out),
+        "INPROCESS_TEST_PLAN": json.dumps(plan),
+        "INPROCESS_TEST_DUMP_AFTER": str(max(5.0, timeout - 10)),
+        "INPROCESS_TEST_LOG": os.environ.get("INPROCESS_TEST_LOG", "INFO"),
+    }
+    job_env.update(env or {})
+    with LocalJob([str(WORKERS / worker)], world_size, env=job_env) as job:
+        job.wait(timeout)
+    return JobResult(job, out)
+
+
+@pytest.fixture
+def job(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
+    def run(plan: dict[str, Any], **kwargs: Any) -> JobResult:
+        return run_job(tmp_path, plan, **kwargs)
+
+    return run

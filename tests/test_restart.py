@@ -1,0 +1,158 @@
+"""Multi-process restart scenarios: real processes on 127.0.0.1, real TCPStore, gloo, DDP.
+
+Each job is 4 ranks (unless stated) training a small MLP under DDP; the plan
+says which rank fails, when and how. Assertions are on what every rank saw.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def exc(kind: str, rank: int, iteration: int, step: int = 3) -> dict:
+    return {"iteration": iteration, "rank": rank, "step": step, "kind": kind}
+
+
+def assert_finished_together(res, ranks, iteration, world_size):
+    """The listed ranks returned from the same final iteration with identical parameters."""
+    checksums = set()
+    for r in ranks:
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r} rc={res.returncodes[r]}:\n{res.describe()}"
+        assert log["result"] is not None, f"rank {r}: {log}"
+        assert log["result"]["iteration"] == iteration, (r, log["iterations"])
+        last = log["iterations"][-1]
+        assert last["world_size"] == world_size, (r, last)
+        assert last["steps"] == 8
+        checksums.add(round(log["result"]["checksum"], 6))
+    # DDP keeps replicas identical only if every allreduce really ran across these ranks.
+    assert len(checksums) == 1, checksums
+
+
+def test_exception_on_one_rank_restarts_every_rank(job):
+    res = job({"steps": 8, "faults": [exc("exception", rank=2, iteration=0, step=5)]})
+    assert_finished_together(res, range(4), iteration=1, world_size=4)
+    for r in range(4):
+        its = res.rank(r)["iterations"]
+        assert [it["iteration"] for it in its] == [0, 1]
+        assert its[1]["rank"] == r and its[1]["env_rank"] == str(r) and its[1]["env_world_size"] == "4"
+    # Only the rank that raised counts the fault as its own.
+    restarts = [res.rank(r)["restarts"] for r in range(4)]
+    for rs in restarts:
+        assert len(rs) == 1
+        assert [f["rank"] for f in rs[0]["faults"]] == [2]
+        assert rs[0]["faults"][0]["type"] == "RuntimeError"
+
+
+def test_five_faults_in_a_row(job):
+    faults = [exc("exception", rank=i % 4, iteration=i, step=2 + i % 3) for i in range(5)]
+    res = job({"steps": 8, "faults": faults})
+    assert_finished_together(res, range(4), iteration=5, world_size=4)
+    seen = [r["faults"][0]["rank"] for r in res.rank(0)["restarts"]]
+    assert seen == [0, 1, 2, 3, 0]
+
+
+def test_faults_on_two_ranks_at_once(job):
+    res = job({"steps": 8, "faults": [exc("exception", 1, 0, step=4), exc("exception", 3, 0, step=4)]})
+    assert_finished_together(res, range(4), iteration=1, world_size=4)
+    # Both faults are in the one decision, whatever their order of arrival.
+    faults = res.rank(0)["restarts"][0]["faults"]
+    assert sorted(f["rank"] for f in faults) == [1, 3]
+
+
+@pytest.mark.parametrize("kind", ["system_exit", "keyboard_interrupt", "restart_abort"])
+def test_base_exception_terminates_the_rank(job, kind):
+    res = job({"steps": 8, "faults": [exc(kind, rank=1, iteration=0, step=4)]})
+    gone = res.rank(1)
+    assert res.returncodes[1] == 17 and gone["exception"] == {
+        "system_exit": "SystemExit", "keyboard_interrupt": "KeyboardInterrupt", "restart_abort": "RestartAbort",
+    }[kind]
+    assert_finished_together(res, [0, 2, 3], iteration=1, world_size=3)
+    # The survivors were renumbered by ShiftRanks: initial 2 -> 1, 3 -> 2.
+    assert [res.rank(r)["iterations"][-1]["rank"] for r in (0, 2, 3)] == [0, 1, 2]
+    assert res.rank(3)["iterations"][-1]["env_rank"] == "2"
+    assert res.rank(0)["restarts"][0]["terminated"] == [1]
+
+
+def test_spare_takes_over_a_terminated_active_rank(job):
+    plan = {
+        "steps": 8,
+        "faults": [exc("system_exit", rank=1, iteration=0, step=4)],
+        "wrapper": {"rank_assignment": {"max_active": 4}},
+    }
+    res = job(plan, world_size=5)
+    spare = res.rank(4)
+    # The spare never ran iteration 0, then ran iteration 1 as active rank 3.
+    assert [it["iteration"] for it in spare["iterations"]] == [1]
+    assert spare["iterations"][0]["rank"] == 3 and spare["iterations"][0]["env_rank"] == "3"
+    assert_finished_together(res, [0, 2, 3, 4], iteration=1, world_size=4)
+    assert res.returncodes[1] == 17
+
+
+def test_spare_returns_none_when_the_job_completes(job):
+    res = job({"steps": 8, "wrapper": {"rank_assignment": {"max_active": 3}}}, world_size=4)
+    assert_finished_together(res, [0, 1, 2], iteration=0, world_size=3)
+    assert res.returncodes[3] == 0
+    assert res.rank(3)["iterations"] == [] and res.rank(3)["result"] is None
+
+
+def test_retry_controller_stops_the_job(job):
+    plan = {
+        "steps": 8,
+        "faults": [exc("exception", rank=i % 4, iteration=i, step=2) for i in range(4)],
+        "wrapper": {"max_iterations": 2},
+    }
+    res = job(plan)
+    for r in range(4):
+        log = res.rank(r)
+        assert res.returncodes[r] == 17
+        assert log["exception"] == "RestartAbort", log
+        assert "max_iterations=2" in log["message"]
+        assert [it["iteration"] for it in log["iterations"]] == [0, 1]
+
+
+def test_fault_counter_terminates_a_rank_that_keeps_failing(job):
+    plan = {
+        "steps": 8,
+        "faults": [exc("exception", rank=2, iteration=0, step=2), exc("exception", rank=2, iteration=1, step=2)],
+        "wrapper": {"max_rank_faults": 1},
+    }
+    res = job(plan)
+    assert res.rank(2)["exception"] == "HealthCheckError"
+    assert_finished_together(res, [0, 1, 3], iteration=2, world_size=3)
+
+
+def test_collective_blocked_on_a_hanging_peer_is_released(job):
+    """Rank 3 hangs outside any collective, so the others block inside DDP's
+    allreduce; then rank 1 raises. The restart must release the blocked ranks
+    at once (not at the process group's 60 s timeout) and interrupt rank 3's
+    sleep, so all four continue."""
+    plan = {
+        "steps": 8,
+        "pg_timeout": 60,
+        "faults": [exc("hang", rank=3, iteration=0, step=3), exc("delayed_exception:1.0", rank=1, iteration=0, step=3)],
+    }
+    res = job(plan, timeout=60)
+    assert_finished_together(res, range(4), iteration=1, world_size=4)
+    fault_ns = res.rank(1)["fault_ns"]
+    for r in (0, 2):
+        released = res.rank(r)["iterations"][0]["released_ns"]
+        assert 0 < released - fault_ns < 2e9, f"rank {r} released {(released - fault_ns) / 1e6:.0f} ms after the fault"
+    # The hanging rank was interrupted in time.sleep and rejoined.
+    assert res.rank(3)["iterations"][-1]["iteration"] == 1
+
+
+def test_threads_and_descriptors_do_not_grow_over_20_restarts(job):
+    faults = [exc("exception", rank=i % 4, iteration=i, step=1) for i in range(20)]
+    res = job({"steps": 8, "faults": faults}, timeout=140)
+    assert_finished_together(res, range(4), iteration=20, world_size=4)
+    for r in range(4):
+        log = res.rank(r)
+        fds, threads = log["fds"], log["threads"]
+        assert len(fds) == 21
+        # Iteration 1 is the first after a restart; every later one must match it.
+        assert fds[1:] == [fds[1]] * 20, f"rank {r} descriptors per iteration: {fds}"
+        assert threads[1:] == [threads[1]] * 20, f"rank {r} threads per iteration: {threads}"
+        assert log["final_threads"] == log["threads_before"], log
