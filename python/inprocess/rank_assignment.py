@@ -33,6 +33,10 @@ __all__ = [
     "FillGaps",
     "MaxActiveWorldSize",
     "ActiveWorldSizeDivisibleBy",
+    "FilterCountGroupedByKey",
+    "Layer",
+    "LayerFlag",
+    "Tree",
 ]
 
 
@@ -231,3 +235,6 @@ def run_assignment(
     newly = {r for r, mode in enumerate(ctx.membership.mode) if mode == TERMINATED and previous.mode[r] != TERMINATED}
     ctx.membership.validate(previous, newly)
     return ctx.membership, newly
+
+
+from .tree import FilterCountGroupedByKey, Layer, LayerFlag, Tree  # noqa: E402
