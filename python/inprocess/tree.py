@@ -42,7 +42,7 @@ the table as the previous decision left it:
 * ``ShiftRanks`` and ``FillGaps`` after ``Tree`` change nothing (it leaves no
   gap); run before it they would close the gaps that spares must fill.
 * ``ActivateAllRanks`` after ``Tree`` would activate every spare; before it,
-  it would make the previous decision unreadable. Both are refused.
+  it would make the previous decision unreadable. check_composition refuses both.
 
 :func:`check_composition` states these rules and raises ``ValueError`` for a
 composition that breaks them; ``Tree`` also refuses, at decision time, a
@@ -57,9 +57,13 @@ erased. When the context carries ``previous`` (the table of the previous
 iteration before this restart's terminations) ``Tree`` uses it and is exact.
 Without it ``Tree`` recovers the lost ranks' numbers from its own numbering
 convention (an active rank's ``rank`` equals its ``active_rank``; spares follow,
-in tree order): exact when one rank, or ranks of a single domain, are lost
-in a restart, and a documented best guess when several domains lose ranks at
-once (the slots are matched to the lost ranks in tree order).
+in tree order). That is exact when the ranks lost in a restart share a
+leaf domain (a node), unless the lowest-numbered spare is among them: its
+number cannot be told from the highest active rank's, so it is taken for an
+active rank's and refilled if ``max_ranks`` allows (never past it). When
+several domains lose ranks at once, the lost numbers are matched to the lost
+ranks in tree order, a best guess. ``tests/test_tree.py`` checks both paths
+against each other.
 """
 
 from __future__ import annotations
@@ -363,7 +367,7 @@ class Tree:
         newly = _decide(st, self.layers, m, slots, initial)
         if newly:
             ctx.terminated_ranks.update(newly)
-        self._filter(m, st)
+        self._filter(m)
         _number_spares(st, m)
         return ctx
 
@@ -385,7 +389,7 @@ class Tree:
                 )
         return slots
 
-    def _filter(self, m: Membership, st: _Structure) -> None:
+    def _filter(self, m: Membership) -> None:
         f = self.world_size_filter
         if f is None:
             return
@@ -412,7 +416,10 @@ def _infer_slots(st: _Structure, m: Membership, lost: list[int]) -> list[tuple[i
     surviving spares' lowest rank were spares; they are matched to lost
     ranks by tree order between the surviving spares around them (the latest
     such lost rank, as spares sit at the end of their domain). The other gaps
-    are active numbers, matched to the remaining lost ranks in tree order.
+    are taken for active numbers, matched to the remaining lost ranks in tree
+    order. Gaps between the highest surviving active number and the lowest
+    surviving spare's rank could be either; taking them for active numbers
+    keeps spares in use rather than shrinking the world.
     """
     if not lost:
         return []
