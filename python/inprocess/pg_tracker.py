@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import socket
 import threading
 from typing import Any
+
+from . import sockets
 
 log = logging.getLogger("inprocess")
 
@@ -37,22 +37,6 @@ _lock = threading.Lock()
 _sockets: dict[int, str] = {}  # fd -> "socket:[inode]" when it was recorded
 _groups: list[Any] = []  # what _new_process_group_helper returned: keeps each group alive
 _installed = False
-
-
-def _socket_fds() -> dict[int, str]:
-    out = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            out[int(name)] = target
-    return out
 
 
 def install() -> bool:
@@ -75,14 +59,13 @@ def install() -> bool:
 
         @functools.wraps(original)
         def tracking_helper(*args: Any, **kwargs: Any) -> Any:
-            before = _socket_fds()
+            before = sockets.socket_fds()
             result = None
             try:
                 result = original(*args, **kwargs)
                 return result
             finally:
-                after = _socket_fds()
-                new = {fd: t for fd, t in after.items() if before.get(fd) != t}
+                new = sockets.new_since(before)
                 with _lock:
                     _sockets.update(new)
                     if result is not None:
@@ -104,29 +87,10 @@ def tracked() -> tuple[int, int]:
 def release_connections() -> int:
     """Shut down every tracked connected socket; returns how many were shut down."""
     with _lock:
-        sockets = dict(_sockets)
+        tracked = dict(_sockets)
         _sockets.clear()
-    current = _socket_fds()
-    count = 0
-    gone = [fd for fd, identity in sockets.items() if current.get(fd) != identity]
-    log.debug("releasing %d tracked sockets (%d already closed: %s)", len(sockets), len(gone), gone)
-    for fd, identity in sockets.items():
-        if current.get(fd) != identity:
-            continue  # closed, or the number now belongs to someone else
-        try:
-            # gloo closes a pair's descriptor when its peer fails, so it may be gone by now.
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            count += 1
-        except OSError:
-            pass  # not connected (yet, or any more): nothing in flight on it
-        finally:
-            sock.detach()
+    count, gone = sockets.shutdown_connected(tracked)
+    log.debug("released %d of %d tracked sockets (%d already closed)", count, len(tracked), len(gone))
     return count
 
 
@@ -139,9 +103,16 @@ def release_groups() -> int:
     """
     try:
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        # An init_process_group interrupted by the restart has already taken a
+        # number from torch's process-local group counter, which names the
+        # rendezvous keys; without a group to destroy nothing resets it, and
+        # this rank would look for other keys than its peers next time.
+        if getattr(c10d._world, "group_count", 0):
+            c10d._world.group_count = 0
     except Exception as e:  # a group broken by the fault may refuse a clean destroy
         log.debug("destroy_process_group failed: %s", e)
     with _lock:

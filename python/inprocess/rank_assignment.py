@@ -78,6 +78,9 @@ class RankAssignmentCtx:
     terminated_ranks: set[int]
     iteration: int
     topology: Topology = dataclasses.field(default_factory=Topology.empty)
+    # The table of the iteration that ended, untouched (read-only): who held
+    # which rank before this restart.
+    previous: Optional[Membership] = None
 
 
 class RankAssignment(abc.ABC):
@@ -105,6 +108,9 @@ def check_rank_assignment(value: Any) -> None:
             )
     if value is None:
         raise ValueError("rank_assignment=None: expected a RankAssignment, e.g. ShiftRanks()")
+    from .tree import check_composition
+
+    check_composition(value)
 
 
 def _renumber(membership: Membership, order: list[int], column: list[int]) -> None:
@@ -228,7 +234,7 @@ def run_assignment(
     """
     membership = previous.copy()
     membership.terminate(terminated)
-    ctx = RankAssignmentCtx(membership, set(terminated), iteration, topology)
+    ctx = RankAssignmentCtx(membership, set(terminated), iteration, topology, previous)
     out = rank_assignment(ctx)
     if out is not None:
         ctx = out

@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from . import sockets
+
 
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
@@ -103,6 +105,13 @@ def clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> dist.
         return dist.FileStore(store.path if hasattr(store, "path") else store.file_name, -1)  # type: ignore[attr-defined]
     # A custom store without clone(): ask the factory for another client.
     return store_factory(**store_kwargs)
+
+
+def tracked_clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> tuple[dist.Store, dict[int, str]]:
+    """A new client connection, with the sockets it opened (to release it later)."""
+    before = sockets.socket_fds()
+    client = clone(store, store_factory, store_kwargs)
+    return client, sockets.new_since(before)
 
 
 def is_host(store: Any) -> bool:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
 
-from . import _native, pg_tracker
+from . import _native, pg_tracker, sockets
 from . import store as store_mod
 from .abort import AbortTorchDistributed
 from .compose import Compose
@@ -270,6 +270,7 @@ class CallWrapper:
         self._trigger: Optional[RestartTrigger] = None
         self._store: Optional[dist.Store] = None
         self._user_client: Optional[dist.Store] = None
+        self._user_sockets: dict[int, str] = {}
         self._protocol: Optional[RestartProtocol] = None
         self._saved_env: dict[str, Optional[str]] = {}
         self._key_owners: list[Any] = []
@@ -325,7 +326,8 @@ class CallWrapper:
 
         Its keys are deleted once every rank has left the iteration.
         """
-        assert self._protocol is not None and self._user_client is not None
+        if self._protocol is None or self._user_client is None:
+            raise RuntimeError("CallWrapper.store is available inside the wrapped function only")
         return dist.PrefixStore(self._user_prefix(self.state.iteration), self._user_client)
 
     # -- the restart loop ------------------------------------------------------
@@ -375,6 +377,7 @@ class CallWrapper:
         s.fn_exception = None
         interrupter = self._interrupter
         assert interrupter is not None
+        self._open_iteration_store()
         try:
             self._set_phase(_Phase.RUNNING)
             with interrupter.running():
@@ -445,6 +448,7 @@ class CallWrapper:
         # nor deadlock on the gloo workers (see inprocess.pg_tracker).
         pg_tracker.release_groups()
 
+        self._user_client, self._user_sockets = None, {}
         self._set_phase(_Phase.FINALIZING)
         self._run_recovery_hook("finalize", self._w.finalize)
         record.finalized_ns = time.monotonic_ns()
@@ -583,7 +587,6 @@ class CallWrapper:
             trigger_protocol = RestartProtocol(
                 store_mod.clone(self._store, self._w.store_factory, self._w.store_kwargs), call_index
             )
-            self._user_client = store_mod.clone(self._store, self._w.store_factory, self._w.store_kwargs)
             self._key_owners = key_gathering_leaves(self._w.rank_assignment)
             self._interrupter = MainThreadInterrupter()
             self._interrupter.install()
@@ -605,7 +608,16 @@ class CallWrapper:
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
         p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
 
+    def _open_iteration_store(self) -> None:
+        """A fresh client connection per iteration for the function's own
+        rendezvous, so that a restart can release a rendezvous blocked on a
+        peer that failed, by shutting this connection down."""
+        self._user_client, self._user_sockets = store_mod.tracked_clone(
+            self._store, self._w.store_factory, self._w.store_kwargs
+        )
+
     def _run_abort_hook(self) -> None:
+        sockets.shutdown_connected(self._user_sockets)
         if self._w.abort is not None:
             self._w.abort(self.state.freeze())
 
@@ -649,7 +661,7 @@ class CallWrapper:
 
     def _delete_user_keys(self, iteration: int) -> None:
         """Delete the keys the function's own rendezvous wrote in ``iteration``."""
-        client = self._user_client
+        client = self._store
         if client is None or not hasattr(client, "list_keys"):
             return
         prefix = self._user_prefix(iteration)

@@ -1,0 +1,81 @@
+"""The documented rule for an exception in each hook, checked hook by hook on a real job.
+
+* initialize: an Exception is a fault of the rank -> the job restarts, every rank continues;
+* abort, finalize, health_check: any exception terminates that rank -> the others go on without it;
+* rank_assignment (runs once, on the leader): the job ends on every rank with RestartAbort;
+* completion: the exception propagates to that rank's caller, the others return normally;
+* terminate: the rank still leaves with the exception that terminated it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+FAULT_ON_2 = {"iteration": 0, "rank": 2, "step": 3, "kind": "exception"}
+
+
+def plan_with_hook(hook: str, kind: str = "exception", faults=(FAULT_ON_2,), iteration: int = 0) -> dict:
+    return {
+        "steps": 8,
+        "faults": list(faults),
+        "wrapper": {"raise_in_hook": {"hook": hook, "rank": 1, "iteration": iteration, "kind": kind}},
+    }
+
+
+def finished(res, ranks, iteration, world_size):
+    for r in ranks:
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == iteration
+        assert log["iterations"][-1]["world_size"] == world_size
+
+
+def test_initialize_exception_restarts_the_job(job):
+    res = job(plan_with_hook("initialize", faults=()))
+    finished(res, range(4), iteration=1, world_size=4)
+    # Rank 1 raised before its function ran: iteration 0 has no function call there.
+    assert [it["iteration"] for it in res.rank(1)["iterations"]] == [1]
+    assert [f["rank"] for f in res.rank(0)["restarts"][0]["faults"]] == [1]
+
+
+def test_initialize_base_exception_terminates_the_rank(job):
+    res = job(plan_with_hook("initialize", kind="base", faults=()))
+    assert res.rank(1)["exception"] == "SystemExit"
+    finished(res, [0, 2, 3], iteration=1, world_size=3)
+
+
+@pytest.mark.parametrize("hook", ["abort", "finalize", "health_check"])
+def test_recovery_hook_exception_terminates_the_rank(job, hook):
+    res = job(plan_with_hook(hook))
+    log = res.rank(1)
+    assert res.returncodes[1] == 17
+    assert log["exception"] == "RuntimeError" and f"injected {hook} failure" in log["message"]
+    finished(res, [0, 2, 3], iteration=1, world_size=3)
+    assert res.rank(0)["restarts"][0]["terminated"] == [1]
+
+
+def test_rank_assignment_exception_ends_the_job_everywhere(job):
+    plan = {"steps": 8, "faults": [FAULT_ON_2], "wrapper": {"rank_assignment": {"raise_at_iteration": 1}}}
+    res = job(plan)
+    for r in range(4):
+        log = res.rank(r)
+        assert log["exception"] == "RestartAbort", log
+        assert "rank assignment failed" in log["message"] and "injected rank assignment failure" in log["message"]
+
+
+def test_completion_exception_propagates_on_that_rank_only(job):
+    res = job(plan_with_hook("completion", faults=(), iteration=0))
+    assert res.rank(1)["exception"] == "RuntimeError"
+    finished(res, [0, 2, 3], iteration=0, world_size=4)
+    # The function itself completed on rank 1 too: only the hook failed.
+    assert res.rank(1)["iterations"][-1]["steps"] == 8
+
+
+def test_terminate_exception_does_not_replace_the_terminating_one(job):
+    faults = [{"iteration": 0, "rank": 1, "step": 3, "kind": "system_exit"}]
+    res = job(plan_with_hook("terminate", faults=faults))
+    assert res.rank(1)["exception"] == "SystemExit"
+    assert res.rank(1)["hook_calls"]["terminate"] == 1
+    finished(res, [0, 2, 3], iteration=1, world_size=3)
