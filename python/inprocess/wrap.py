@@ -35,6 +35,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -209,10 +210,9 @@ def _call_wrapper_parameter(fn: Callable[..., Any]) -> Optional[str]:
         ann = hints.get(name, p.annotation)
         if ann is CallWrapper or CallWrapper in typing.get_args(ann):
             return name
-        if isinstance(ann, str) and ann.replace(" ", "") in (
-            "CallWrapper", "Optional[CallWrapper]", "inprocess.CallWrapper",
-            "Optional[inprocess.CallWrapper]", "CallWrapper|None", "inprocess.CallWrapper|None",
-        ):
+        # An annotation that could not be evaluated stays a string: a parameter
+        # whose annotation names CallWrapper is the one.
+        if isinstance(ann, str) and re.search(r"\bCallWrapper\b", ann):
             return name
     return None
 

@@ -1,0 +1,284 @@
+"""Single-process units: membership encoding, simple rank assignments, Compose,
+the protocol over a real TCPStore, CallWrapper injection, the heartbeat page."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import stat
+import threading
+import time
+from typing import Optional
+
+import pytest
+import torch.distributed as dist
+
+import inprocess
+from inprocess import _native
+from inprocess.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from inprocess.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol, decide
+from inprocess.rank_assignment import (
+    ActivateAllRanks,
+    ActiveWorldSizeDivisibleBy,
+    FillGaps,
+    MaxActiveWorldSize,
+    ShiftRanks,
+    run_assignment,
+)
+from inprocess.rank_assignment import Topology
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# -- membership -------------------------------------------------------------
+
+
+def test_membership_round_trips_through_runs_and_stays_compact():
+    m = Membership.all_active(16384)
+    assert m.encode() == [[0, 16384, ACTIVE, 0, 0]]
+    m2, _ = run_assignment(Compose_shift(), m, {5, 900, 16000}, 1, Topology.empty())
+    runs = m2.encode()
+    assert len(runs) <= 2 * 3 + 1  # O(changes), not O(world size)
+    assert Membership.decode(runs, 16384) == m2
+    assert m2.world_size == 16381 and m2.active_world_size == 16381
+
+
+def Compose_shift():
+    return inprocess.Compose(ActivateAllRanks(), ShiftRanks())
+
+
+def test_membership_validate_catches_duplicates_and_resurrection():
+    m = Membership([ACTIVE, ACTIVE], [0, 0], [0, 1])
+    with pytest.raises(inprocess.InternalError, match="rank 0: out of range or taken twice"):
+        m.validate()
+    prev = Membership([TERMINATED, ACTIVE], [NONE, 0], [NONE, 0])
+    back = Membership([ACTIVE, ACTIVE], [0, 1], [0, 1])
+    with pytest.raises(inprocess.InternalError, match="was terminated and came back"):
+        back.validate(prev)
+
+
+# -- simple rank assignments --------------------------------------------------
+
+
+def assign(ra, n, dead, previous: Optional[Membership] = None):
+    m, _ = run_assignment(ra, previous or Membership.all_active(n), set(dead), 1, Topology.empty())
+    return m
+
+
+def test_shift_ranks_keeps_order_and_closes_gaps():
+    m = assign(Compose_shift(), 8, {1, 4, 5})
+    assert [m.rank[r] for r in (0, 2, 3, 6, 7)] == [0, 1, 2, 3, 4]
+    assert m.active_rank == m.rank
+
+
+def test_fill_gaps_moves_only_the_highest_ranks():
+    m = assign(inprocess.Compose(ActivateAllRanks(), FillGaps()), 8, {1, 4, 5})
+    # Ranks below the new world size (5) keep theirs; 6 and 7 fill the gaps 1 and 4.
+    assert [m.rank[r] for r in (0, 2, 3)] == [0, 2, 3]
+    assert (m.rank[6], m.rank[7]) == (1, 4)
+
+
+def test_max_active_world_size_makes_spares_and_reuses_them():
+    ra = inprocess.Compose(MaxActiveWorldSize(4), ActivateAllRanks(), ShiftRanks())
+    m0 = assign(ra, 6, set())
+    assert m0.mode == [ACTIVE] * 4 + [INACTIVE] * 2 and m0.active_world_size == 4
+    m1 = assign(ra, 6, {1}, previous=m0)
+    # The first spare (initial 4) becomes active rank 3; initial 5 stays a spare.
+    assert m1.active_rank[4] == 3 and m1.mode[5] == INACTIVE and m1.active_world_size == 4
+
+
+def test_active_world_size_divisible_by():
+    ra = inprocess.Compose(ActiveWorldSizeDivisibleBy(4), ActivateAllRanks(), ShiftRanks())
+    m = assign(ra, 10, {0})
+    assert m.active_world_size == 8 and m.world_size == 9
+    assert m.mode[9] == INACTIVE
+
+
+def test_compose_runs_the_last_instance_first():
+    order = []
+
+    def tag(name):
+        def f(x):
+            order.append(name)
+            return x + name
+
+        return f
+
+    assert inprocess.Compose(tag("a"), tag("b"), tag("c"))("") == "cba"
+    assert order == ["c", "b", "a"]
+
+
+def test_failing_assignment_becomes_an_abort_decision():
+    class Boom(inprocess.rank_assignment.RankAssignment):
+        def __call__(self, ctx):
+            raise RuntimeError("boom")
+
+    d = decide(Boom(), Membership.all_active(4), {2}, [], 3, 0)
+    assert d.abort is not None and "boom" in d.abort
+    assert d.membership.mode[2] == TERMINATED
+
+
+# -- the protocol over a real TCPStore -----------------------------------------
+
+
+@pytest.fixture
+def tcp_store():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    yield server
+
+
+def test_barrier_leader_decides_once_for_everyone(tcp_store):
+    n = 8
+    decisions = [None] * n
+    clients = [tcp_store.clone() for _ in range(n)]
+    errors = []
+
+    def rank(r):
+        try:
+            p = RestartProtocol(clients[r], call=7)
+            d = p.barrier(
+                0, r, n, r == 5, lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 0, leader), 10
+            )
+            decisions[r] = d
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors, errors
+    assert decisions[5] is None or decisions[5].leader == 5  # the terminated rank does not wait
+    live = [d for r, d in enumerate(decisions) if r != 5]
+    assert all(d is not None for d in live)
+    assert len({d.to_json() for d in live}) == 1  # one decision, read by all
+    assert live[0].terminated == [5] and live[0].membership.world_size == 7
+
+
+def test_event_first_writer_wins_and_wakes_waiters(tcp_store):
+    p = RestartProtocol(tcp_store.clone())
+    waiter = RestartProtocol(tcp_store.clone())
+    seen = []
+    t = threading.Thread(target=lambda: seen.append((waiter.wait_event(0, 10), time.monotonic())))
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    assert p.report_fault(FaultRecord(3, 0, "exception", "RuntimeError", "x")) is True
+    t.join(5)
+    assert seen and seen[0][0] == RESTART
+    assert seen[0][1] - start < 0.5  # woken by the store, not by a poll interval
+    p.arrive_completed(0, 1)  # too late: the restart won
+    assert waiter.wait_event(0, 1) == RESTART
+    assert p.read_faults(0)[0].rank == 3
+    q = RestartProtocol(tcp_store.clone(), call=1)
+    q.arrive_completed(0, 1)
+    assert q.wait_event(0, 1) == COMPLETE
+
+
+def test_wait_times_out_with_the_engines_timeout_error(tcp_store):
+    p = RestartProtocol(tcp_store.clone())
+    with pytest.raises(inprocess.TimeoutError, match="barrier 4"):
+        p.wait_decision(4, 0.2)
+
+
+# -- the wrapper, without processes ---------------------------------------------
+
+
+def test_disabled_wrapper_returns_the_function_untouched():
+    def f(x):
+        return x
+
+    assert inprocess.Wrapper(enabled=False)(f) is f
+
+
+def test_call_wrapper_parameter_is_found_by_annotation():
+    from inprocess.wrap import _call_wrapper_parameter
+    from typing import Optional as Opt
+
+    def a(x, cw: inprocess.CallWrapper):
+        pass
+
+    def b(cw: Opt[inprocess.CallWrapper] = None):
+        pass
+
+    def c(*args, **kwargs):
+        pass
+
+    assert _call_wrapper_parameter(a) == "cw"
+    assert _call_wrapper_parameter(b) == "cw"
+    assert _call_wrapper_parameter(c) is None  # then inprocess.current_call() is the way in
+
+
+def test_refuses_to_start_when_a_process_group_exists(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="process group already exists"):
+            inprocess.Wrapper()(lambda: None)()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_rank_job_runs_with_current_call(monkeypatch):
+    from inprocess._local_launch import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    calls = []
+
+    @inprocess.Wrapper(
+        soft_timeout=datetime.timedelta(seconds=5),
+        hard_timeout=datetime.timedelta(seconds=10),
+        barrier_timeout=datetime.timedelta(seconds=20),
+    )
+    def train(*args, **kwargs):
+        cw = inprocess.current_call()
+        calls.append(cw.iteration)
+        cw.ping()
+        if cw.iteration == 0:
+            raise ValueError("first attempt fails")
+        return "done"
+
+    assert train() == "done"
+    assert calls == [0, 1]
+    assert inprocess.current_call() is None
+    assert os.environ["RANK"] == "0"
+
+
+# -- the heartbeat page -------------------------------------------------------
+
+
+def test_heartbeat_page_is_private_and_nameless():
+    before = set(os.listdir("/dev/shm"))
+    hb = _native.HeartbeatPage.create()
+    try:
+        mode = os.fstat(hb.fd).st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        assert set(os.listdir("/dev/shm")) == before  # memfd: nothing to leak
+        snap = hb.snapshot()
+        assert not snap.flags & _native.FLAG_MANUAL_ARMED
+        hb.ping()
+        assert hb.snapshot().flags & _native.FLAG_MANUAL_ARMED
+        assert hb.snapshot().manual_progress_ns >= snap.manual_progress_ns
+        hb.begin_iteration(3, 7)
+        s = hb.snapshot()
+        assert (s.iteration, s.world_size) == (3, 7) and not s.flags & _native.FLAG_MANUAL_ARMED
+        other = _native.HeartbeatPage.attach(hb.fd)
+        hb.set_phase(_native.Phase.RUNNING)
+        assert other.snapshot().phase == _native.Phase.RUNNING
+        other.close()
+    finally:
+        hb.close()
+    assert hb.closed
+
+
+def test_attach_refuses_a_descriptor_that_is_not_a_page(tmp_path):
+    f = tmp_path / "x"
+    f.write_bytes(b"\0" * 4096)
+    with open(f, "rb+") as fh:
+        with pytest.raises(ValueError, match="holds no inprocess heartbeat page"):
+            _native.HeartbeatPage.attach(fh.fileno())
