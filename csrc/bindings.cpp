@@ -1,11 +1,25 @@
 // The only pybind11 code of the project: module inprocess._native.
 // Every call that can block releases the GIL (design principle 7); the
 // heartbeat writes release it too, so a ping never waits behind another thread.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <system_error>
+#include <thread>
+#include <unordered_set>
+
 #include "clock.hpp"
 #include "heartbeat.hpp"
+#include "killer.hpp"
+#include "watchdog.hpp"
 
 namespace py = pybind11;
 using inprocess::HeartbeatPage;
@@ -69,6 +83,356 @@ void register_heartbeat(py::module_& m) {
       .def("snapshot", &HeartbeatPage::snapshot, py::call_guard<py::gil_scoped_release>());
 }
 
+// ---------------------------------------------------------------------------
+// Killer (monitor-process side)
+
+void register_killer(py::module_& m) {
+  // std::system_error carries an errno: raise it as OSError so that Python
+  // sees ProcessLookupError, PermissionError, ... rather than RuntimeError.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      py::tuple args = py::make_tuple(e.code().value(), e.what());
+      PyErr_SetObject(PyExc_OSError, args.ptr());
+    }
+  });
+
+  py::enum_<inprocess::KillOutcome>(m, "KillOutcome")
+      .value("ALREADY_EXITED", inprocess::KillOutcome::kAlreadyExited)
+      .value("EXITED_DURING_GRACE", inprocess::KillOutcome::kExitedDuringGrace)
+      .value("KILLED", inprocess::KillOutcome::kKilled)
+      .value("KILL_UNCONFIRMED", inprocess::KillOutcome::kKillUnconfirmed)
+      .value("SIGNAL_FAILED", inprocess::KillOutcome::kSignalFailed);
+
+  using inprocess::KillResult;
+  py::class_<KillResult>(m, "KillResult", "What kill_sequence did; CLOCK_MONOTONIC ns, 0 where it did not happen.")
+      .def_readonly("outcome", &KillResult::outcome)
+      .def_readonly("error", &KillResult::error)
+      .def_readonly("started_ns", &KillResult::started_ns)
+      .def_readonly("term_sent_ns", &KillResult::term_sent_ns)
+      .def_readonly("kill_sent_ns", &KillResult::kill_sent_ns)
+      .def_readonly("dead_ns", &KillResult::dead_ns)
+      .def_readonly("finished_ns", &KillResult::finished_ns)
+      .def_property_readonly("elapsed_ns", &KillResult::elapsed_ns)
+      .def_property_readonly("dead", &KillResult::dead)
+      .def("__repr__", [](const KillResult& r) {
+        return "KillResult(outcome=" + py::str(py::cast(r.outcome)).cast<std::string>() +
+               ", elapsed_ns=" + std::to_string(r.elapsed_ns()) + ", error=" + std::to_string(r.error) + ")";
+      });
+
+  m.def("pidfd_open", &inprocess::pidfd_open, py::arg("pid"),
+        "Open a pidfd (close-on-exec) for `pid`; the caller owns it. OSError where unsupported or gone.");
+  m.def("wait_for_exit", &inprocess::wait_for_exit, py::arg("pidfd"), py::arg("timeout_ns"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Wait up to `timeout_ns` for the process behind `pidfd` to exit; True as soon as it has.");
+  m.def("kill_sequence", &inprocess::kill_sequence, py::arg("pidfd"), py::arg("grace_ns"),
+        py::arg("kill_wait_ns") = inprocess::kDefaultKillWaitNs, py::call_guard<py::gil_scoped_release>(),
+        "SIGCONT + SIGTERM, up to `grace_ns` for the death, then SIGKILL and up to `kill_wait_ns` to see it.");
+  m.def("kill_pid_sequence", &inprocess::kill_pid_sequence, py::arg("pid"), py::arg("grace_ns"),
+        py::arg("kill_wait_ns") = inprocess::kDefaultKillWaitNs, py::call_guard<py::gil_scoped_release>(),
+        "kill_sequence for a pid, through a pidfd opened first (a recycled pid is never signalled).");
+
+  py::enum_<inprocess::GuardEventKind>(m, "GuardEventKind")
+      .value("EXITED", inprocess::GuardEventKind::kExited)
+      .value("HARD_TIMEOUT", inprocess::GuardEventKind::kHardTimeout);
+
+  using inprocess::GuardEvent;
+  py::class_<GuardEvent>(m, "GuardEvent")
+      .def_readonly("kind", &GuardEvent::kind)
+      .def_readonly("detected_ns", &GuardEvent::detected_ns)
+      .def_readonly("last_progress_ns", &GuardEvent::last_progress_ns)
+      .def_readonly("deadline_ns", &GuardEvent::deadline_ns)
+      .def_readonly("iteration", &GuardEvent::iteration)
+      .def_property_readonly("phase", [](const GuardEvent& e) { return static_cast<Phase>(e.phase); })
+      .def_property_readonly("kill",
+                             [](const GuardEvent& e) -> std::optional<KillResult> {
+                               if (e.kind != inprocess::GuardEventKind::kHardTimeout) return std::nullopt;
+                               return e.kill;
+                             })
+      .def("__repr__", [](const GuardEvent& e) {
+        return "GuardEvent(kind=" + py::str(py::cast(e.kind)).cast<std::string>() +
+               ", detected_ns=" + std::to_string(e.detected_ns) + ", iteration=" + std::to_string(e.iteration) + ")";
+      });
+
+  using inprocess::HardTimeoutGuard;
+  py::class_<HardTimeoutGuard>(m, "HardTimeoutGuard",
+                               "Watches one rank (pidfd + heartbeat page) and kills it on a hard timeout.")
+      .def(py::init<int, int, int64_t, int64_t, int64_t>(), py::arg("heartbeat_fd"), py::arg("pidfd"),
+           py::arg("grace_ns"), py::arg("kill_wait_ns") = inprocess::kDefaultKillWaitNs,
+           py::arg("idle_recheck_ns") = int64_t{1'000'000'000})
+      .def("start", &HardTimeoutGuard::start)
+      .def("stop", &HardTimeoutGuard::stop, py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_event", &HardTimeoutGuard::wait_event, py::arg("timeout_ns"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("running", &HardTimeoutGuard::running);
+}
+
+// ---------------------------------------------------------------------------
+// Watchdog (training-process side)
+
+// The target of the automatic-progress pending call. Shared with every
+// queued call, so a call that runs after its watchdog is gone still stamps a
+// mapped page.
+struct AutoStamp {
+  explicit AutoStamp(HeartbeatPage p) : page(std::move(p)) {}
+  HeartbeatPage page;
+  std::atomic<bool> pending{false};
+};
+
+// Runs in the main thread at a bytecode boundary: proof that it runs Python.
+int run_auto_stamp(void* arg) {
+  std::unique_ptr<std::shared_ptr<AutoStamp>> holder(static_cast<std::shared_ptr<AutoStamp>*>(arg));
+  (*holder)->page.stamp_auto();
+  (*holder)->pending.store(false, std::memory_order_release);
+  return 0;
+}
+
+// Why a pending call alone is not enough: up to Python 3.11, a pending call
+// added from a thread other than the main one does not set the eval breaker
+// (COMPUTE_EVAL_BREAKER asks whether the *calling* thread may run pending
+// calls), so a main thread busy in a Python loop would never look at it. A
+// thread that waits for the GIL makes the main thread look: after the switch
+// interval it raises the GIL drop request, and the main thread runs pending
+// calls before it hands the GIL over. When the main thread sleeps with the
+// GIL released, the nudge takes the GIL at once and no stamp is made, as it
+// should be. This thread, not the watchdog, is the one that may wait on the
+// GIL (forever, if the main thread holds it in native code).
+struct GilNudge {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool requested = false;
+  bool stop_requested = false;
+  bool finished = false;
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [this] { return requested || stop_requested; });
+      if (stop_requested) break;
+      requested = false;
+      lock.unlock();
+      {
+        py::gil_scoped_acquire gil;
+      }
+      lock.lock();
+    }
+    finished = true;
+    cv.notify_all();
+  }
+
+  // Never blocks: a nudge still waiting for the GIL absorbs this one.
+  void request() {
+    std::lock_guard<std::mutex> lock(mu);
+    requested = true;
+    cv.notify_all();
+  }
+};
+
+// From the watchdog thread, without the GIL (Py_AddPendingCall needs none).
+// At most one call is queued: a stuck main thread must not fill the
+// interpreter's small pending-call queue, which signal handling shares. The
+// nudge is sent on every tick, so a call queued while the main thread slept
+// runs soon after it returns to Python.
+void request_auto_stamp(const std::shared_ptr<AutoStamp>& stamp, GilNudge& nudge) {
+  if (!stamp->pending.exchange(true, std::memory_order_acq_rel)) {
+    auto* holder = new (std::nothrow) std::shared_ptr<AutoStamp>(stamp);
+    if (holder == nullptr || Py_AddPendingCall(&run_auto_stamp, holder) != 0) {
+      delete holder;
+      stamp->pending.store(false, std::memory_order_release);
+      return;
+    }
+  }
+  nudge.request();
+}
+
+thread_local bool t_in_soft_timeout_callback = false;
+
+// The Python side of on_soft_timeout: the callable and the count of
+// callback threads still running it.
+struct SoftTimeoutDispatch {
+  explicit SoftTimeoutDispatch(py::function cb) : callback(std::move(cb)) {}
+  SoftTimeoutDispatch(const SoftTimeoutDispatch&) = delete;
+  SoftTimeoutDispatch& operator=(const SoftTimeoutDispatch&) = delete;
+  ~SoftTimeoutDispatch() {
+    // The last reference may go away in a thread without the GIL. After the
+    // interpreter is gone the reference is left alone rather than touched.
+    if (callback && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      callback.release().dec_ref();
+    } else {
+      callback.release();
+    }
+  }
+
+  py::function callback;
+  std::mutex mu;
+  std::condition_variable cv;
+  int in_flight = 0;
+};
+
+void run_soft_timeout_callback(std::shared_ptr<SoftTimeoutDispatch> dispatch, inprocess::SoftTimeoutEvent event) {
+  {
+    py::gil_scoped_acquire gil;
+    t_in_soft_timeout_callback = true;
+    try {
+      dispatch->callback(event);
+    } catch (py::error_already_set& e) {
+      // Like an exception in a threading.Thread: reported, not fatal.
+      e.discard_as_unraisable("inprocess._native.Watchdog on_soft_timeout");
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      PyErr_WriteUnraisable(dispatch->callback.ptr());
+    }
+    t_in_soft_timeout_callback = false;
+  }
+  std::lock_guard<std::mutex> lock(dispatch->mu);
+  --dispatch->in_flight;
+  dispatch->cv.notify_all();
+}
+
+// From the watchdog thread: a fresh thread waits for the GIL, so the
+// watchdog itself never does (a main thread holding the GIL forever must not
+// stop detection, nor the monitor's hard timeout that follows).
+void dispatch_soft_timeout(const std::shared_ptr<SoftTimeoutDispatch>& dispatch,
+                           const inprocess::SoftTimeoutEvent& event) {
+  {
+    std::lock_guard<std::mutex> lock(dispatch->mu);
+    ++dispatch->in_flight;
+  }
+  try {
+    std::thread(run_soft_timeout_callback, dispatch, event).detach();
+  } catch (const std::system_error&) {
+    std::lock_guard<std::mutex> lock(dispatch->mu);
+    --dispatch->in_flight;
+    dispatch->cv.notify_all();
+  }
+}
+
+class PyWatchdog;
+
+// Live watchdogs, stopped at interpreter exit: a callback thread must not
+// start waiting for the GIL of an interpreter being finalised. Leaked on
+// purpose so that it outlives every static destructor.
+std::mutex& watchdogs_mutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::unordered_set<PyWatchdog*>& live_watchdogs() {
+  static auto* set = new std::unordered_set<PyWatchdog*>;
+  return *set;
+}
+
+class PyWatchdog {
+ public:
+  PyWatchdog(int heartbeat_fd, int64_t interval_ns, py::function on_soft_timeout)
+      : stamp_(std::make_shared<AutoStamp>(HeartbeatPage::attach(heartbeat_fd))),
+        nudge_(std::make_shared<GilNudge>()),
+        dispatch_(std::make_shared<SoftTimeoutDispatch>(std::move(on_soft_timeout))) {
+    std::shared_ptr<AutoStamp> stamp = stamp_;
+    std::shared_ptr<GilNudge> nudge = nudge_;
+    std::shared_ptr<SoftTimeoutDispatch> dispatch = dispatch_;
+    core_ = std::make_unique<inprocess::Watchdog>(
+        heartbeat_fd, interval_ns, [stamp, nudge] { request_auto_stamp(stamp, *nudge); },
+        [dispatch](const inprocess::SoftTimeoutEvent& e) { dispatch_soft_timeout(dispatch, e); });
+    std::lock_guard<std::mutex> lock(watchdogs_mutex());
+    live_watchdogs().insert(this);
+  }
+  PyWatchdog(const PyWatchdog&) = delete;
+  PyWatchdog& operator=(const PyWatchdog&) = delete;
+
+  // Runs with the GIL held (object deallocation): released while stopping,
+  // since callback threads need it to finish.
+  ~PyWatchdog() {
+    py::gil_scoped_release nogil;
+    {
+      std::lock_guard<std::mutex> lock(watchdogs_mutex());
+      live_watchdogs().erase(this);
+    }
+    stop(1'000'000'000);
+    core_.reset();
+    // It holds its own reference to the nudge state.
+    if (nudge_thread_.joinable()) nudge_thread_.detach();
+  }
+
+  void start() {
+    std::lock_guard<std::mutex> lock(lifecycle_);
+    core_->start();  // throws when started before: the nudge thread is not started twice
+    std::shared_ptr<GilNudge> nudge = nudge_;
+    nudge_thread_ = std::thread([nudge] { nudge->run(); });
+  }
+
+  // Without the GIL. After True, no callback runs any more (except the one
+  // calling stop(), if any).
+  bool stop(int64_t timeout_ns) {
+    std::lock_guard<std::mutex> lock(lifecycle_);
+    constexpr int64_t kLongest = 1'000'000'000'000'000'000;  // ~30 years: the time point cannot overflow
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::nanoseconds(std::clamp<int64_t>(timeout_ns, 0, kLongest));
+    bool stopped = core_->stop(timeout_ns);
+    if (nudge_thread_.joinable()) {
+      std::unique_lock<std::mutex> nudge_lock(nudge_->mu);
+      nudge_->stop_requested = true;
+      nudge_->cv.notify_all();
+      if (nudge_->cv.wait_until(nudge_lock, until, [this] { return nudge_->finished; })) {
+        nudge_lock.unlock();
+        nudge_thread_.join();
+      } else {
+        stopped = false;  // still waiting for a GIL held elsewhere; joined by a later stop
+      }
+    }
+    const int own = t_in_soft_timeout_callback ? 1 : 0;
+    std::unique_lock<std::mutex> dispatch_lock(dispatch_->mu);
+    stopped = dispatch_->cv.wait_until(dispatch_lock, until, [&] { return dispatch_->in_flight <= own; }) && stopped;
+    return stopped;
+  }
+
+  bool running() const { return core_->running(); }
+  uint64_t stamp_requests() const { return core_->stamp_requests(); }
+  uint64_t soft_timeouts() const { return core_->soft_timeouts(); }
+
+ private:
+  std::shared_ptr<AutoStamp> stamp_;
+  std::shared_ptr<GilNudge> nudge_;
+  std::shared_ptr<SoftTimeoutDispatch> dispatch_;
+  std::unique_ptr<inprocess::Watchdog> core_;
+  std::mutex lifecycle_;  // start/stop from several Python threads (stop runs without the GIL)
+  std::thread nudge_thread_;
+};
+
+void stop_live_watchdogs() {
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(watchdogs_mutex());
+  for (PyWatchdog* w : live_watchdogs()) w->stop(500'000'000);
+}
+
+void register_watchdog(py::module_& m) {
+  using inprocess::SoftTimeoutEvent;
+  py::class_<SoftTimeoutEvent>(m, "SoftTimeoutEvent")
+      .def_readonly("iteration", &SoftTimeoutEvent::iteration)
+      .def_readonly("detected_ns", &SoftTimeoutEvent::detected_ns)
+      .def_readonly("deadline_ns", &SoftTimeoutEvent::deadline_ns)
+      .def_readonly("last_progress_ns", &SoftTimeoutEvent::last_progress_ns)
+      .def_readonly("manual", &SoftTimeoutEvent::manual)
+      .def("__repr__", [](const SoftTimeoutEvent& e) {
+        return "SoftTimeoutEvent(iteration=" + std::to_string(e.iteration) +
+               ", late_ns=" + std::to_string(e.detected_ns - e.deadline_ns) +
+               ", manual=" + (e.manual ? std::string("True") : std::string("False")) + ")";
+      });
+
+  py::class_<PyWatchdog>(m, "Watchdog",
+                         "GIL-free soft-timeout detection and automatic-progress stamping for one rank.")
+      .def(py::init<int, int64_t, py::function>(), py::arg("heartbeat_fd"), py::arg("interval_ns"),
+           py::arg("on_soft_timeout"))
+      .def("start", &PyWatchdog::start)
+      .def("stop", &PyWatchdog::stop, py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("running", &PyWatchdog::running)
+      .def_property_readonly("stamp_requests", &PyWatchdog::stamp_requests)
+      .def_property_readonly("soft_timeouts", &PyWatchdog::soft_timeouts);
+
+  py::module_::import("atexit").attr("register")(py::cpp_function(&stop_live_watchdogs));
+}
+
 void register_testing(py::module_& m) {
   auto t = m.def_submodule("testing", "Fault injection helpers for the test suite.");
   t.def(
@@ -88,5 +452,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "Native core of inprocess: shared-memory heartbeats and GIL-free monitoring.";
   register_clock(m);
   register_heartbeat(m);
+  register_killer(m);
+  register_watchdog(m);
   register_testing(m);
 }
