@@ -276,6 +276,7 @@ class CallWrapper:
         self._key_owners: list[Any] = []
         self._topology: Optional[Topology] = None
         self._is_store_host = False
+        self._saved_excepthook = sys.excepthook
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -447,7 +448,7 @@ class CallWrapper:
         # collectives ended: destroying the groups here cannot race with DDP
         # nor deadlock on the gloo workers (see inprocess.pg_tracker).
         pg_tracker.release_groups()
-
+        sys.excepthook = self._saved_excepthook
         self._user_client, self._user_sockets = None, {}
         self._set_phase(_Phase.FINALIZING)
         self._run_recovery_hook("finalize", self._w.finalize)
@@ -575,6 +576,9 @@ class CallWrapper:
             call_index = _call_counter
             _call_counter += 1
         self._saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        # init_process_group wraps sys.excepthook every time ("[rankN]:" prefixes):
+        # restored at every restart, so that nothing accumulates across iterations.
+        self._saved_excepthook = sys.excepthook
         self.state = State(initial_rank=rank, initial_world_size=world_size, rank=rank, world_size=world_size)
         try:
             t = self._w.timeouts
@@ -627,6 +631,7 @@ class CallWrapper:
             if self._trigger is not None:
                 self._trigger.stop()
             pg_tracker.release_groups()
+            sys.excepthook = self._saved_excepthook
             if self._is_store_host and self._protocol is not None:
                 # The server lives in this process: keep it until every rank left.
                 try:

@@ -135,6 +135,7 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     state = call_wrapper.frozen_state
     log["fds"].append(count_fds())
     log["threads"].append(threading.active_count())
+    log.setdefault("excepthooks", []).append(repr(sys.excepthook))
     entry = {
         "iteration": it,
         "rank": state.active_rank,

@@ -1,0 +1,135 @@
+"""A 4-rank CPU training job that survives faults without leaving its processes.
+
+    python examples/demo.py                                      # starts 4 ranks on 127.0.0.1
+    torchrun --standalone --nproc-per-node 4 examples/demo.py    # or let torchrun start them
+
+A small MLP trains under DDP (gloo) for 100 steps. Rank 2 raises at step 30,
+rank 1 at step 60; each time every rank restarts the function in-process,
+resumes from the last step all ranks committed, and rank 0 prints one line
+per restart. Environment: DEMO_STEPS, DEMO_FAULTS ("rank:step,rank:step").
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import inprocess
+
+TOTAL_STEPS = int(os.environ.get("DEMO_STEPS", "100"))
+FAULTS = [tuple(int(x) for x in f.split(":")) for f in os.environ.get("DEMO_FAULTS", "2:30,1:60").split(",") if f]
+
+
+class TrainState:
+    """Lives across restarts: the wrapped function receives this same object every time.
+
+    It keeps the last two committed steps: a restart can interrupt a rank
+    between a step's allreduce and its commit, so ranks may resume one step
+    apart; they agree on the lowest and the ones ahead roll back one step.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.snapshot: Optional[tuple[dict, dict, float]] = None  # model, optimizer, loss at `step`
+        self.previous: Optional[tuple[int, Optional[tuple[dict, dict, float]]]] = None
+        self.faults_done: set[tuple[int, int]] = set()
+
+    def commit(self, model: torch.nn.Module, opt: torch.optim.Optimizer, loss: float) -> None:
+        self.previous = (self.step, self.snapshot)
+        self.snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), loss)
+        self.step += 1
+
+    def roll_back_to(self, step: int) -> None:
+        if step == self.step:
+            return
+        assert self.previous is not None and self.previous[0] == step, (step, self.step)
+        self.step, self.snapshot = self.previous
+        self.previous = None
+
+    @property
+    def loss(self) -> float:
+        return self.snapshot[2] if self.snapshot else float("nan")
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+@inprocess.Wrapper(
+    initialize=inprocess.initialize.RetryController(max_iterations=10),
+    soft_timeout=datetime.timedelta(seconds=30),
+    hard_timeout=datetime.timedelta(seconds=60),
+    barrier_timeout=datetime.timedelta(seconds=90),
+)
+def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = None) -> float:
+    assert call_wrapper is not None
+    me = call_wrapper.frozen_state
+    if me.active_rank == 0:
+        for n, r in enumerate(call_wrapper.restarts[-1:], start=len(call_wrapper.restarts)):
+            why = "; ".join(f"rank {f.rank}: {f.type}: {f.message}" for f in r.faults) or "no fault recorded"
+            print(f"[demo] restart {n}: iteration {r.iteration} failed ({why}); "
+                  f"restarted in {r.duration_s * 1e3:.0f} ms", flush=True)
+    # A process group per iteration, on the store the engine scopes to it.
+    dist.init_process_group("gloo", store=call_wrapper.store, rank=me.active_rank,
+                            world_size=me.active_world_size, timeout=datetime.timedelta(seconds=30))
+    agreed = torch.tensor([state.step])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    state.roll_back_to(int(agreed))
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    if state.snapshot is not None:
+        model.load_state_dict(state.snapshot[0])
+        opt.load_state_dict(state.snapshot[1])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if me.active_rank == 0 and call_wrapper.iteration > 0:
+        print(f"[demo] iteration {call_wrapper.iteration}: {me.active_world_size} ranks resume at step {state.step}",
+              flush=True)
+    initial_rank = me.initial_rank
+    while state.step < TOTAL_STEPS:
+        call_wrapper.ping()
+        for fault in FAULTS:
+            if fault == (initial_rank, state.step) and fault not in state.faults_done:
+                state.faults_done.add(fault)
+                raise RuntimeError(f"injected fault at step {state.step}")
+        gen = torch.Generator().manual_seed(state.step * 1000 + me.active_rank)
+        x = torch.randn(64, 32, generator=gen)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        # Commit the step (an in-memory checkpoint) as one unit: a restart waits for it.
+        with call_wrapper.atomic():
+            state.commit(model, opt, float(loss.detach()))
+    dist.destroy_process_group()
+    return state.loss
+
+
+def run_rank() -> int:
+    start = time.monotonic()
+    state = TrainState()
+    loss = train(state)
+    if os.environ.get("RANK") == "0":
+        print(f"[demo] finished {TOTAL_STEPS} steps in {time.monotonic() - start:.1f} s, "
+              f"final loss {loss:.4f}", flush=True)
+    return 0
+
+
+def launch(world_size: int = 4) -> int:
+    from inprocess._local_launch import LocalJob
+
+    with LocalJob([__file__], world_size, capture=False) as job:
+        ranks = job.wait(timeout=300)
+    return max(abs(r.returncode or 0) for r in ranks)
+
+
+if __name__ == "__main__":
+    sys.exit(run_rank() if "RANK" in os.environ else launch())
