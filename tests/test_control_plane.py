@@ -1,0 +1,253 @@
+"""The restart control plane at scale: agreement in the simulator, O(1) store operations per rank.
+
+(a) runs ``benchmarks/control_plane_sim.py`` (the library's own protocol
+against a real TCPStore server in its own process) at N = 64 and checks that
+every simulated rank holds the same decision and the assignment ShiftRanks
+must give it; (b) counts store operations per rank per restart over an
+in-memory store at two world sizes and fails if the count grows with N; the
+encoded decision must not grow with N either when the faults are fixed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import pathlib
+import re
+import sys
+import threading
+from typing import Any, Optional
+
+import psutil
+import pytest
+
+from inprocess.membership import ACTIVE, TERMINATED, Membership
+from inprocess.protocol import Decision, FaultRecord, RestartProtocol, decide
+from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _sim() -> Any:
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import control_plane_sim
+
+    return control_plane_sim
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# ---------------------------------------------------------------------------
+# (a) the simulator, real TCPStore, N = 64
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["killed", "exception"])
+def test_simulated_ranks_agree_on_one_assignment(kind: str) -> None:
+    sim = _sim()
+    before = _children()
+    cfg = sim.SimConfig(procs=2, groups=4, restarts=2, kind=kind, decode="every-rank", check_membership=True,
+                        settle_s=0.1, steady_s=0.2, timeout_s=60.0)
+    n = 64
+    result = sim.simulate(n, cfg)
+    # Every process the simulator started is gone.
+    assert _children() - before == set()
+
+    assert result["all_agree"]
+    faulty = sim.pick_faulty(n, cfg.restarts)
+    for j, r in enumerate(result["per_restart"]):
+        dead = len(faulty[: j + 1]) if kind == "killed" else 0
+        assert r["ranks"] == n - dead, r
+        # One decision, byte for byte, on every rank (the simulator also checked each
+        # rank's decoded table and its own row against ShiftRanks, and raised otherwise).
+        assert len(r["decisions"]) == 1
+        assert r["max_ms"] >= r["median_ms"] > 0
+    assert result["steady_requests_per_s"] == 0
+
+
+def test_expected_rows_follow_shift_ranks() -> None:
+    sim = _sim()
+    faulty = [5, 2]
+    assert sim.expected_row(8, faulty, 0, "killed", 5) == (TERMINATED, -1, -1)
+    assert sim.expected_row(8, faulty, 0, "killed", 7) == (ACTIVE, 6, 6)
+    assert sim.expected_row(8, faulty, 1, "killed", 7) == (ACTIVE, 5, 5)
+    assert sim.expected_row(8, faulty, 1, "killed", 1) == (ACTIVE, 1, 1)
+    assert sim.expected_row(8, faulty, 1, "exception", 7) == (ACTIVE, 7, 7)
+
+
+# ---------------------------------------------------------------------------
+# (b) operations per rank per restart, in-memory store
+# ---------------------------------------------------------------------------
+
+
+def _b(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class MemoryStore:
+    """The torch Store methods the protocol uses, in memory, thread-safe."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    def set(self, key: str, value: Any) -> None:
+        with self._cv:
+            self._data[key] = _b(value)
+            self._cv.notify_all()
+
+    def get(self, key: str) -> bytes:
+        self.wait([key], datetime.timedelta(seconds=30))
+        with self._cv:
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._cv:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._cv.notify_all()
+            return value
+
+    def append(self, key: str, value: Any) -> None:
+        with self._cv:
+            self._data[key] = self._data.get(key, b"") + _b(value)
+            self._cv.notify_all()
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        with self._cv:
+            current = self._data.get(key)
+            if current is None:
+                if _b(expected) == b"":
+                    self._data[key] = _b(desired)
+                    self._cv.notify_all()
+                    return _b(desired)
+                return _b(expected)
+            if current == _b(expected):
+                self._data[key] = _b(desired)
+                self._cv.notify_all()
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._cv:
+            return all(k in self._data for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: all(k in self._data for k in keys), timeout.total_seconds()):
+                raise builtins.TimeoutError(f"timeout waiting for {keys}")
+
+    def delete_key(self, key: str) -> bool:
+        with self._cv:
+            return self._data.pop(key, None) is not None
+
+
+class CountingView:
+    """One rank's view of a shared store: counts every call independently of RestartProtocol.ops."""
+
+    METHODS = ("set", "get", "add", "append", "compare_set", "check", "wait", "delete_key")
+
+    def __init__(self, store: MemoryStore):
+        self._store = store
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.METHODS:
+            raise AttributeError(name)
+        method = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int], list[int], int, Decision]:
+    """A restart of N ranks (one killed) over one in-memory store, one thread per rank.
+
+    Returns (RestartProtocol ops per surviving rank, independently counted
+    calls per surviving rank, ops of the dead rank's monitor, the decision).
+    """
+    store = MemoryStore()
+    assignment = Compose(ActivateAllRanks(), ShiftRanks())
+    initial = Membership.all_active(n)
+    views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
+    protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
+    decisions: dict[int, Optional[Decision]] = {}
+    errors: list[BaseException] = []
+
+    def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
+        return decide(assignment, initial, dead, faults, 1, leader)
+
+    def rank_main(r: int) -> None:
+        trigger, main = protocols[r]
+        try:
+            assert trigger.wait_event(0, timeout) == "restart"
+            decisions[r] = main.barrier(1, r, n, False, decide_fn, timeout)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
+    for t in threads:
+        t.start()
+    # The dead rank's monitor: records the fault, wakes everyone, arrives for it.
+    monitor = protocols[dead_rank][1]
+    monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
+    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "ranks still blocked"
+    assert not errors, errors
+    alive = [r for r in range(n) if r != dead_rank]
+    ops = [protocols[r][0].ops + protocols[r][1].ops for r in alive]
+    calls = [views[r][0].calls + views[r][1].calls for r in alive]
+    firsts = {d.to_json() for d in decisions.values() if d is not None}
+    assert len(firsts) == 1, "ranks hold different decisions"
+    decision = next(d for d in decisions.values() if d is not None)
+    return ops, calls, monitor.ops, decision
+
+
+@pytest.mark.timeout(60)
+def test_store_operations_per_rank_do_not_grow_with_n() -> None:
+    per_n = {}
+    for n in (16, 256):
+        ops, calls, monitor_ops, decision = one_restart(n, dead_rank=n // 2 + 1)
+        # RestartProtocol.ops counts exactly the calls that reached the store.
+        assert ops == calls
+        ops.sort()
+        per_n[n] = (ops[len(ops) // 2], ops[-1], sum(ops) / len(ops), monitor_ops)
+        m = decision.membership
+        assert m.mode[n // 2 + 1] == TERMINATED and m.world_size == n - 1
+    small, large = per_n[16], per_n[256]
+    assert large[0] <= small[0], f"median ops per rank grew with N: {small[0]} at 16, {large[0]} at 256"
+    assert large[1] <= small[1], f"max ops per rank (the leader) grew with N: {small[1]} at 16, {large[1]} at 256"
+    assert large[3] <= small[3], f"the monitor's ops grew with N: {small[3]} at 16, {large[3]} at 256"
+    # The mean may only differ by who completed the count (one extra set of "ready").
+    assert large[2] <= small[2] + 1.0 / 16
+
+
+@pytest.mark.timeout(60)
+def test_decision_size_does_not_grow_with_n() -> None:
+    assignment = Compose(ActivateAllRanks(), ShiftRanks())
+    sizes, shapes, runs = {}, {}, {}
+    for n in (16, 256, 4096, 16384):
+        dead = {n // 3, n // 2}
+        faults = [FaultRecord(r, 0, "killed", "SIGKILL", "simulated", host="h", t_ns=1) for r in sorted(dead)]
+        d = decide(assignment, Membership.all_active(n), dead, faults, 1, leader=0)
+        d.t_ns = d.assignment_ns = 0
+        raw = d.to_json()
+        assert Decision.from_json(raw.encode()).membership == d.membership
+        sizes[n] = len(raw)
+        runs[n] = len(d.membership.encode())
+        shapes[n] = re.sub(r"\d+", "0", raw)  # the same record up to the digits of the numbers
+    assert len(set(runs.values())) == 1, runs
+    assert len(set(shapes.values())) == 1, shapes
+    # Only the numbers' digits may grow (O(log N) per number), never O(N).
+    numbers = len(re.findall(r"\d+", shapes[16]))
+    for n in sizes:
+        assert sizes[n] - sizes[16] <= numbers * (len(str(n)) - len(str(16))), sizes
+    assert sizes[16384] < 2 * sizes[16], sizes
