@@ -1,0 +1,643 @@
+"""A client of torch.distributed's TCPStore server in pure Python: no torch.
+
+A monitor process needs the job's coordination store, which is the server of
+``torch.distributed.TCPStore``; importing torch to reach it would cost a
+monitor ~200 MB. :class:`TCPStoreClient` speaks the server's wire protocol over
+a plain socket and offers the Store methods the restart engine uses (see
+:mod:`inprocess.protocol`). Values written by torch's client are read by this
+one and the other way round: both address the same keys.
+
+The wire protocol (torch 2.13; identical for both server backends, libuv and
+the legacy one; checked against the installed server by
+``tests/test_tcpstore_client.py``):
+
+* Integers are in the host's byte order, which on every platform torch ships
+  for is little-endian: sizes and counts are u64, ``add`` operands and
+  results i64, the handshake magic and ping nonce u32.
+* A string or a byte vector is its u64 length followed by its bytes.
+* A request is a one-byte query type followed by its arguments. The client
+  prefixes every key with ``/`` (torch's ``TCPStore`` does, so ``"k"`` is
+  ``"/k"`` on the wire).
+* The connection opens with VALIDATE + the magic ``0x3C85F7CE``, then PING +
+  a nonce that the server echoes. A server ignores (libuv) or drops (legacy)
+  a connection whose first request is not a valid VALIDATE.
+* Replies: GET / COMPARE_SET a vector; ADD, GETNUMKEYS, DELETE_KEY an i64
+  (DELETE_KEY: the number of keys removed); CHECK one byte, 0 = ready,
+  1 = not ready; MULTI_GET one vector per key. SET, APPEND and MULTI_SET get
+  no reply.
+* WAIT (u64 count, keys) answers one byte 0 (STOP_WAITING) once every key
+  exists, immediately if they do. To give up, the client sends CANCEL_WAIT,
+  answered by one byte 1 (WAIT_CANCELED); a STOP_WAITING sent before the
+  cancel arrived comes first.
+* COMPARE_SET(key, expected, desired): on a missing key, an empty
+  ``expected`` creates the key with ``desired`` and returns ``desired``; a
+  non-empty ``expected`` creates nothing and returns ``expected``. On an
+  existing key, the value is replaced when it equals ``expected``; the reply
+  is the value the key holds afterwards.
+  torch 2.13's libuv server wakes the waiters of the key when compare_set
+  creates it; its legacy server does not (only set, add, append and
+  multi_set wake waiters there), whichever client sends the compare_set.
+* ADD parses the stored value as a decimal integer (a missing key counts 0),
+  stores the sum as decimal text and returns it.
+* There are no error replies: a request the server cannot serve (``add`` on
+  a value that is not an integer, an unknown query type, and on the libuv
+  server a key over 8 KiB, a value over 8 MiB or more than 131,072 keys in
+  one request) makes it drop the connection. This client checks the limits
+  before sending (they are the default server's) and reports a dropped
+  connection as :class:`StoreConnectionError`.
+
+Deadlines (design principle 7): every blocking socket call is bounded. The
+socket blocks with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` set to ``timeout`` (one
+system call per send or receive, as in torch's client; Python's own socket
+timeouts cost a ``poll`` before each call), and an operation checks its
+deadline, ``timeout`` after it started, between calls; so a reply comes
+within ``timeout`` or the operation fails, within twice ``timeout`` at worst.
+The connection's lock is waited for at most ``timeout`` too. ``wait`` polls
+the socket until its own timeout, then cancels the wait on the server
+(answer bounded by ``timeout``) and raises :class:`StoreTimeoutError`, a
+``builtins.TimeoutError``; the connection stays usable. Any other failure in
+the middle of an exchange (a reply that does not come in time, a connection
+reset, an interrupt) leaves the byte stream in an unknown state, so the
+connection is closed and every later call raises :class:`StoreConnectionError`
+naming ``host:port``; open a new client (or :meth:`TCPStoreClient.clone`) to
+go on.
+
+Thread safety: one operation at a time per connection, like torch's client. A
+``wait`` holds the connection for its whole duration: a thread that blocks on
+the store should have its own client.
+
+Differences from torch's client, on purpose: a ``wait`` whose keys appear
+just as it times out returns instead of raising (the keys do exist); ``get``
+of a missing key raises :class:`StoreTimeoutError` (torch raises
+``DistStoreError``); a connection refused is retried with backoff until
+``connect_timeout`` (torch retries until its ``timeout``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import errno
+import math
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Iterable, Optional, Sequence, Union
+
+__all__ = [
+    "KEY_PREFIX",
+    "MAX_KEY_BYTES",
+    "MAX_KEYS_PER_REQUEST",
+    "MAX_VALUE_BYTES",
+    "StoreConnectionError",
+    "StoreError",
+    "StoreProtocolError",
+    "StoreTimeoutError",
+    "TCPStoreClient",
+]
+
+# Query types of torch's TCPStore server (c10d::detail::QueryType).
+_VALIDATE = 0
+_SET = 1
+_COMPARE_SET = 2
+_GET = 3
+_ADD = 4
+_CHECK = 5
+_WAIT = 6
+_GETNUMKEYS = 7
+_DELETE_KEY = 8
+_APPEND = 9
+_MULTI_GET = 10
+_MULTI_SET = 11
+_CANCEL_WAIT = 12
+_PING = 13
+
+_VALIDATION_MAGIC = 0x3C85F7CE
+_CHECK_READY = 0
+_CHECK_NOT_READY = 1
+_STOP_WAITING = 0
+_WAIT_CANCELED = 1
+
+#: torch's TCPStore client prefixes every key with this.
+KEY_PREFIX = "/"
+#: Limits of the libuv server (torch's default), checked before sending.
+MAX_KEY_BYTES = 8 * 1024  # on the wire, KEY_PREFIX included
+MAX_VALUE_BYTES = 8 * 1024 * 1024
+MAX_KEYS_PER_REQUEST = 128 * 1024
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+_RECV_CHUNK = 64 * 1024
+_POLL_MAX_MS = 2**31 - 1
+_RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EAGAIN, errno.EINTR}
+
+Value = Union[str, bytes, bytearray, memoryview]
+Timeout = Union[datetime.timedelta, float, int]
+
+
+class StoreError(Exception):
+    """Base class of the errors of :class:`TCPStoreClient`."""
+
+
+class StoreTimeoutError(StoreError, builtins.TimeoutError):
+    """A wait (or a reply) did not come within its timeout."""
+
+
+class StoreConnectionError(StoreError, ConnectionError):
+    """The connection to the store server could not be opened, was lost or was closed."""
+
+
+class StoreProtocolError(StoreError):
+    """The peer answered something torch's TCPStore server never sends."""
+
+
+def _seconds(value: Optional[Timeout], name: str) -> float:
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{name} must be a datetime.timedelta or a number of seconds, got {value!r}")
+    if seconds < 0 or seconds != seconds:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return seconds
+
+
+def _key(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"a store key is a str, got {type(key).__name__}")
+    raw = (KEY_PREFIX + key).encode()
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"store key of {len(raw)} bytes (with prefix): the server takes at most {MAX_KEY_BYTES}")
+    return raw
+
+
+def _value(value: Value) -> bytes:
+    if isinstance(value, str):
+        raw = value.encode()
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+    else:
+        raise TypeError(f"a store value is str or bytes, got {type(value).__name__}")
+    if len(raw) > MAX_VALUE_BYTES:
+        raise ValueError(f"store value of {len(raw)} bytes: the server takes at most {MAX_VALUE_BYTES}")
+    return raw
+
+
+def _string(raw: bytes) -> bytes:
+    return _U64.pack(len(raw)) + raw
+
+
+def _key_list(keys: Iterable[str], what: str) -> tuple[list[str], bytes]:
+    if isinstance(keys, str):
+        raise TypeError(f"{what} takes a list of keys, got the str {keys!r}")
+    keys = list(keys)
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"{what} of {len(keys)} keys: the server takes at most {MAX_KEYS_PER_REQUEST}")
+    return keys, _U64.pack(len(keys)) + b"".join(_string(_key(k)) for k in keys)
+
+
+class _WaitTimedOut(Exception):
+    """Internal: the wait was cancelled cleanly; the connection is still good."""
+
+
+def _describe(op: str, key: object) -> str:
+    if key is None:
+        return op
+    if isinstance(key, list):
+        return f"{op}({key!r})" if len(key) <= 4 else f"{op}({len(key)} keys, first {key[0]!r})"
+    return f"{op}({key!r})"
+
+
+class TCPStoreClient:
+    """One connection to a torch ``TCPStore`` server, without torch.
+
+    ``timeout`` bounds every operation (and is the default timeout of
+    ``wait`` and ``get``, like torch's store timeout); ``connect_timeout``
+    bounds opening the connection, refused attempts being retried with
+    backoff until then. Timeouts are ``timedelta`` or seconds.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: Timeout = datetime.timedelta(seconds=300),
+        connect_timeout: Timeout = datetime.timedelta(seconds=60),
+    ):
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
+        self.host = host
+        self.port = port
+        self._timeout = _seconds(timeout, "timeout")
+        self._connect_timeout = _seconds(connect_timeout, "connect_timeout")
+        self._lock = threading.Lock()
+        self._rbuf = bytearray()
+        self._closed_because: Optional[str] = None
+        self._sock: Optional[socket.socket] = self._connect()
+
+    # -- public API ---------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self._timeout)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        self._timeout = _seconds(timeout, "timeout")
+        sock = self._sock
+        if sock is not None:
+            try:
+                self._set_socket_timeouts(sock)
+            except OSError:
+                pass  # closed meanwhile: the next call says so
+
+    def clone(self) -> "TCPStoreClient":
+        """A new connection to the same server, with the same timeouts."""
+        return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout)
+
+    def set(self, key: str, value: Value) -> None:
+        request = bytes((_SET,)) + _string(_key(key)) + _string(_value(value))
+        self._run("set", key, self._timeout, self._send, request)
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting for it to exist up to the store timeout (like torch)."""
+        wait = self._wait_request([key])
+        request = bytes((_GET,)) + _string(_key(key))
+
+        def body(deadline: float) -> bytes:
+            self._wait_exchange(wait, deadline, "get", key)
+            reply_deadline = time.monotonic() + self._timeout
+            self._send(request, reply_deadline)
+            return self._recv_vector(reply_deadline)
+
+        return self._run("get", key, self._timeout, body)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer stored at ``key`` (0 when missing); returns the sum."""
+        if not isinstance(amount, int) or isinstance(amount, bool) or not _I64_MIN <= amount <= _I64_MAX:
+            raise ValueError(f"add() takes a 64-bit signed integer, got {amount!r}")
+        request = bytes((_ADD,)) + _string(_key(key)) + _I64.pack(amount)
+        return self._run("add", key, self._timeout, self._request_i64, request)
+
+    def append(self, key: str, value: Value) -> None:
+        """Append ``value`` to the value of ``key`` (creating it when missing)."""
+        request = bytes((_APPEND,)) + _string(_key(key)) + _string(_value(value))
+        self._run("append", key, self._timeout, self._send, request)
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (see the module docstring for a missing key)."""
+        request = bytes((_COMPARE_SET,)) + _string(_key(key)) + _string(_value(expected)) + _string(_value(desired))
+        return self._run("compare_set", key, self._timeout, self._request_vector, request)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key exists, without waiting."""
+        _, packed = _key_list(keys, "check")
+        request = bytes((_CHECK,)) + packed
+
+        def body(deadline: float) -> bool:
+            self._send(request, deadline)
+            answer = self._recv_exact(1, deadline)[0]
+            if answer == _CHECK_READY:
+                return True
+            if answer == _CHECK_NOT_READY:
+                return False
+            raise StoreProtocolError(f"check: unexpected answer {answer} from {self.address}")
+
+        return self._run("check", None, self._timeout, body)
+
+    def wait(self, keys: Sequence[str], timeout: Optional[Timeout] = None) -> None:
+        """Block until every key exists; :class:`StoreTimeoutError` after ``timeout``.
+
+        ``timeout`` defaults to the store timeout. The server wakes the wait
+        when the keys are set: nothing is polled over the network.
+        """
+        seconds = self._timeout if timeout is None else _seconds(timeout, "timeout")
+        keys, packed = _key_list(keys, "wait")
+        request = bytes((_WAIT,)) + packed
+        self._run("wait", keys, seconds, lambda deadline: self._wait_exchange(request, deadline, "wait", keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        request = bytes((_DELETE_KEY,)) + _string(_key(key))
+        return self._run("delete_key", key, self._timeout, self._request_i64, request) == 1
+
+    def num_keys(self) -> int:
+        """The number of keys on the server (all of them, whoever wrote them)."""
+        return self._run("num_keys", None, self._timeout, self._request_i64, bytes((_GETNUMKEYS,)))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting for all of them up to the store timeout (like torch)."""
+        keys, packed = _key_list(keys, "multi_get")
+        wait = bytes((_WAIT,)) + packed
+        request = bytes((_MULTI_GET,)) + packed
+
+        def body(deadline: float) -> list[bytes]:
+            self._wait_exchange(wait, deadline, "multi_get", keys)
+            reply_deadline = time.monotonic() + self._timeout
+            self._send(request, reply_deadline)
+            return [self._recv_vector(reply_deadline) for _ in keys]
+
+        return self._run("multi_get", keys, self._timeout, body)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        keys, _ = _key_list(keys, "multi_set")
+        values = list(values)
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        parts = [bytes((_MULTI_SET,)), _U64.pack(len(keys))]
+        for key, value in zip(keys, values):
+            parts.append(_string(_key(key)))
+            parts.append(_string(_value(value)))
+        self._run("multi_set", keys, self._timeout, self._send, b"".join(parts))
+
+    def ping(self) -> float:
+        """One round trip to the server; returns its duration in seconds."""
+        nonce = int.from_bytes(os.urandom(4), "little")
+
+        def body(deadline: float) -> float:
+            start = time.monotonic()
+            self._send(bytes((_PING,)) + _U32.pack(nonce), deadline)
+            echoed = _U32.unpack(self._recv_exact(4, deadline))[0]
+            if echoed != nonce:
+                raise StoreProtocolError(f"ping: {self.address} echoed {echoed:#x} for nonce {nonce:#x}")
+            return time.monotonic() - start
+
+        return self._run("ping", None, self._timeout, body)
+
+    def close(self) -> None:
+        """Close the connection; an operation blocked in another thread fails at once."""
+        sock = self._sock
+        if self._closed_because is None:
+            self._closed_because = "it was closed"
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a recv or poll blocked in another thread
+        except OSError:
+            pass
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._drop_socket()
+            finally:
+                self._lock.release()
+        # else: the thread holding the lock fails on the shut socket and drops it.
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def __enter__(self) -> "TCPStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._sock is not None else f"closed ({self._closed_because})"
+        return f"TCPStoreClient({self.address}, {state})"
+
+    # -- connection -----------------------------------------------------------------
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self._connect_timeout
+        backoff = 0.01
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = deadline - time.monotonic()
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(remaining, 0.001))
+            except socket.gaierror as e:
+                raise StoreConnectionError(f"cannot resolve the store host {self.host!r} ({self.address}): {e}") from e
+            except OSError as e:
+                retry = isinstance(e, builtins.TimeoutError) or e.errno in _RETRY_ERRNOS
+                remaining = deadline - time.monotonic()
+                if not retry or remaining <= 0:
+                    raise StoreConnectionError(
+                        f"cannot connect to the store server at {self.address} within "
+                        f"{self._connect_timeout:g}s ({attempts} attempt(s)): {e}"
+                    ) from e
+                time.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._handshake(sock, deadline)
+                sock.settimeout(None)  # blocking: the kernel's timeouts bound each call
+                self._set_socket_timeouts(sock)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        nonce = (os.getpid() ^ int.from_bytes(os.urandom(4), "little")) & 0xFFFFFFFF
+        hello = bytes((_VALIDATE,)) + _U32.pack(_VALIDATION_MAGIC) + bytes((_PING,)) + _U32.pack(nonce)
+        reply = b""
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(hello)
+            while len(reply) < 4:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = sock.recv(4 - len(reply))
+                if not chunk:
+                    raise StoreConnectionError("connection closed by the peer")
+                reply += chunk
+        except (StoreConnectionError, OSError) as e:
+            raise StoreConnectionError(
+                f"the store server at {self.address} did not complete the handshake within "
+                f"{self._connect_timeout:g}s: {e} (is a torch TCPStore server listening there?)"
+            ) from e
+        echoed = _U32.unpack(reply)[0]
+        if echoed != nonce:
+            raise StoreProtocolError(
+                f"{self.address} answered the handshake with {echoed:#x} instead of {nonce:#x}: "
+                "not a torch TCPStore server?"
+            )
+
+    def _set_socket_timeouts(self, sock: socket.socket) -> None:
+        # A zero timeval means "no timeout" to the kernel: never send one.
+        seconds = max(self._timeout, 0.001)
+        whole = int(seconds)
+        timeval = struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+    def _drop_socket(self) -> None:
+        """Close the socket; the caller holds the lock."""
+        sock, self._sock = self._sock, None
+        self._rbuf.clear()
+        if sock is not None:
+            sock.close()
+
+    # -- one exchange -----------------------------------------------------------------
+
+    def _run(self, op: str, key: object, seconds: float, body, *args):  # type: ignore[no-untyped-def]
+        """Run ``body(*args, deadline)`` alone on the connection.
+
+        Any failure inside leaves the stream in an unknown state: the
+        connection is closed and the failure reported with the address.
+        """
+        deadline = time.monotonic() + seconds
+        if not self._lock.acquire(timeout=seconds):
+            raise StoreTimeoutError(
+                f"{_describe(op, key)}: the connection to {self.address} was busy with another "
+                f"operation for {seconds:g}s"
+            )
+        try:
+            if self._sock is None:
+                raise StoreConnectionError(
+                    f"{_describe(op, key)}: the connection to the store at {self.address} is closed "
+                    f"({self._closed_because})"
+                )
+            try:
+                return body(*args, deadline)
+            except _WaitTimedOut as e:
+                raise StoreTimeoutError(str(e)) from None
+            except StoreError as e:
+                self._fail(op, key, str(e))
+                raise
+            except (builtins.TimeoutError, BlockingIOError) as e:  # EAGAIN: SO_RCVTIMEO / SO_SNDTIMEO
+                self._fail(op, key, "no reply in time")
+                raise StoreTimeoutError(
+                    f"{_describe(op, key)}: no reply from the store at {self.address} within "
+                    f"{self._timeout:g}s; the connection is closed"
+                ) from e
+            except OSError as e:
+                self._fail(op, key, str(e))
+                if self._closed_because == "it was closed":
+                    raise StoreConnectionError(f"{_describe(op, key)}: the connection to {self.address} was closed") from e
+                raise StoreConnectionError(
+                    f"{_describe(op, key)}: the connection to the store at {self.address} failed: {e}"
+                ) from e
+            except BaseException as e:
+                self._fail(op, key, f"interrupted by {type(e).__name__}")
+                raise
+        finally:
+            self._lock.release()
+
+    def _fail(self, op: str, key: object, why: str) -> None:
+        if self._closed_because is None:
+            self._closed_because = f"{_describe(op, key)} failed: {why}"
+        self._drop_socket()
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise socket.timeout("deadline passed")
+        self._sock.sendall(data)  # type: ignore[union-attr]
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        buf = self._rbuf
+        if len(buf) >= n:
+            out = bytes(buf[:n])
+            del buf[:n]
+            return out
+        sock = self._sock
+        assert sock is not None
+        if n > _RECV_CHUNK:
+            # A large value: read straight into its own buffer.
+            out_buf = bytearray(n)
+            have = len(buf)
+            out_buf[:have] = buf
+            buf.clear()
+            view = memoryview(out_buf)
+            while have < n:
+                if time.monotonic() > deadline:
+                    raise socket.timeout("deadline passed")
+                got = sock.recv_into(view[have:], n - have)
+                if got == 0:
+                    raise self._eof()
+                have += got
+            return bytes(out_buf)
+        while len(buf) < n:
+            if time.monotonic() > deadline:
+                raise socket.timeout("deadline passed")
+            chunk = sock.recv(_RECV_CHUNK)
+            if not chunk:
+                raise self._eof()
+            buf += chunk
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+    def _eof(self) -> StoreConnectionError:
+        if self._closed_because == "it was closed":
+            return StoreConnectionError(f"the connection to {self.address} was closed")
+        return StoreConnectionError(
+            f"the store server at {self.address} closed the connection (it went away, or it dropped a "
+            "request it cannot serve, e.g. add() on a value that is not an integer)"
+        )
+
+    def _recv_vector(self, deadline: float) -> bytes:
+        size = _U64.unpack(self._recv_exact(8, deadline))[0]
+        if size > MAX_VALUE_BYTES * 64:
+            raise StoreProtocolError(f"a reply of {size} bytes from {self.address}: not a torch TCPStore server?")
+        return self._recv_exact(size, deadline) if size else b""
+
+    def _request_vector(self, request: bytes, deadline: float) -> bytes:
+        self._send(request, deadline)
+        return self._recv_vector(deadline)
+
+    def _request_i64(self, request: bytes, deadline: float) -> int:
+        self._send(request, deadline)
+        return _I64.unpack(self._recv_exact(8, deadline))[0]
+
+    @staticmethod
+    def _wait_request(keys: Sequence[str]) -> bytes:
+        _, packed = _key_list(keys, "wait")
+        return bytes((_WAIT,)) + packed
+
+    def _wait_exchange(self, request: bytes, deadline: float, op: str, key: object) -> None:
+        """Send WAIT and read STOP_WAITING; past the deadline, cancel and raise _WaitTimedOut."""
+        timeout = max(deadline - time.monotonic(), 0.0)
+        self._send(request, time.monotonic() + self._timeout)
+        answer = self._recv_wait_answer(deadline)
+        if answer == _STOP_WAITING:
+            return
+        if answer is not None:
+            raise StoreProtocolError(f"{_describe(op, key)}: unexpected wait answer {answer} from {self.address}")
+        # Timed out: cancel on the server. A STOP_WAITING sent before the
+        # server saw the cancel arrives first; the keys exist then.
+        cancel_deadline = time.monotonic() + self._timeout
+        self._send(bytes((_CANCEL_WAIT,)), cancel_deadline)
+        answer = self._recv_exact(1, cancel_deadline)[0]
+        woke = answer == _STOP_WAITING
+        if woke:
+            answer = self._recv_exact(1, cancel_deadline)[0]
+        if answer != _WAIT_CANCELED:
+            raise StoreProtocolError(f"{_describe(op, key)}: expected WAIT_CANCELED from {self.address}, got {answer}")
+        if not woke:
+            raise _WaitTimedOut(
+                f"{_describe(op, key)}: the keys did not appear within {timeout:.3g}s (store {self.address})"
+            )
+
+    def _recv_wait_answer(self, deadline: float) -> Optional[int]:
+        """The wait's answer byte, or None when the deadline passed first."""
+        if self._rbuf:
+            return self._recv_exact(1, deadline)[0]
+        sock = self._sock
+        assert sock is not None
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        while True:  # bounded: each round ends at the deadline or at most 24 days later
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            # A signal interrupting poll() is retried with the time left (PEP 475).
+            if poller.poll(min(math.ceil(remaining * 1000), _POLL_MAX_MS)):
+                break
+        chunk = sock.recv(_RECV_CHUNK)  # readable: does not block
+        if not chunk:
+            raise self._eof()
+        self._rbuf += chunk
+        return self._recv_exact(1, deadline)[0]
