@@ -85,20 +85,6 @@ Wake wait_readable(int pidfd, int other_fd, int64_t deadline_ns) noexcept {
   }
 }
 
-// Timeouts come from the page and from Python: "never" may arrive as a huge
-// number, which must not wrap around into a deadline in the past.
-int64_t add_saturated(int64_t a, int64_t b) noexcept {
-  int64_t sum;
-  if (__builtin_add_overflow(a, b, &sum)) return b > 0 ? std::numeric_limits<int64_t>::max() : 0;
-  return sum;
-}
-
-// A steady_clock deadline `timeout_ns` from now. Negative means now; a
-// "forever" beyond ~30 years is cut there so the time point cannot overflow.
-std::chrono::steady_clock::time_point steady_deadline(int64_t timeout_ns) {
-  constexpr int64_t kLongest = 1'000'000'000'000'000'000;
-  return std::chrono::steady_clock::now() + std::chrono::nanoseconds(std::clamp<int64_t>(timeout_ns, 0, kLongest));
-}
 
 KillResult finish(KillResult r, KillOutcome outcome, int error = 0) noexcept {
   r.outcome = outcome;

@@ -16,20 +16,6 @@
 namespace inprocess {
 namespace {
 
-// A soft timeout of "never" may arrive as a huge number; it must not wrap
-// around into a deadline in the past (which would fire at once).
-int64_t add_saturated(int64_t a, int64_t b) noexcept {
-  int64_t sum;
-  if (__builtin_add_overflow(a, b, &sum)) return b > 0 ? std::numeric_limits<int64_t>::max() : 0;
-  return sum;
-}
-
-// A steady_clock deadline `timeout_ns` from now. Negative means now; a
-// "forever" beyond ~30 years is cut there so the time point cannot overflow.
-std::chrono::steady_clock::time_point steady_deadline(int64_t timeout_ns) {
-  constexpr int64_t kLongest = 1'000'000'000'000'000'000;
-  return std::chrono::steady_clock::now() + std::chrono::nanoseconds(std::clamp<int64_t>(timeout_ns, 0, kLongest));
-}
 
 // CLOCK_MONOTONIC deadline → steady_clock time point. Measured as an offset
 // from "now" on both clocks rather than assuming they share an epoch.

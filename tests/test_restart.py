@@ -38,28 +38,36 @@ def test_exception_on_one_rank_restarts_every_rank(job):
         its = res.rank(r)["iterations"]
         assert [it["iteration"] for it in its] == [0, 1]
         assert its[1]["rank"] == r and its[1]["env_rank"] == str(r) and its[1]["env_world_size"] == "4"
-    # Only the rank that raised counts the fault as its own.
+    # Only the rank that raised has a first-hand fault; peers whose collectives
+    # were cut may add records marked after_restart.
     restarts = [res.rank(r)["restarts"] for r in range(4)]
     for rs in restarts:
         assert len(rs) == 1
-        assert [f["rank"] for f in rs[0]["faults"]] == [2]
-        assert rs[0]["faults"][0]["type"] == "RuntimeError"
+        first_hand = [f for f in rs[0]["faults"] if f["kind"] == "exception"]
+        assert [f["rank"] for f in first_hand] == [2]
+        assert first_hand[0]["type"] == "RuntimeError"
+        assert all(f["kind"] == "after_restart" for f in rs[0]["faults"] if f["rank"] != 2)
 
 
 def test_five_faults_in_a_row(job):
     faults = [exc("exception", rank=i % 4, iteration=i, step=2 + i % 3) for i in range(5)]
     res = job({"steps": 8, "faults": faults})
     assert_finished_together(res, range(4), iteration=5, world_size=4)
-    seen = [r["faults"][0]["rank"] for r in res.rank(0)["restarts"]]
-    assert seen == [0, 1, 2, 3, 0]
+    seen = [[f["rank"] for f in r["faults"] if f["kind"] == "exception"] for r in res.rank(0)["restarts"]]
+    assert seen == [[0], [1], [2], [3], [0]]
 
 
 def test_faults_on_two_ranks_at_once(job):
     res = job({"steps": 8, "faults": [exc("exception", 1, 0, step=4), exc("exception", 3, 0, step=4)]})
     assert_finished_together(res, range(4), iteration=1, world_size=4)
-    # Both faults are in the one decision, whatever their order of arrival.
+    # Every fault that was raised before its rank was interrupted is in the one
+    # decision; a rank that the other's restart released first never raised its own
+    # (the gathering itself is checked deterministically in test_units).
     faults = res.rank(0)["restarts"][0]["faults"]
-    assert sorted(f["rank"] for f in faults) == [1, 3]
+    raised = {r for r in (1, 3) if res.rank(r).get("injected")}
+    assert raised, "neither fault was raised"
+    assert raised <= {f["rank"] for f in faults}, (raised, faults)
+    assert any(f["kind"] == "exception" and f["rank"] in (1, 3) for f in faults), faults
 
 
 @pytest.mark.parametrize("kind", ["system_exit", "keyboard_interrupt", "restart_abort"])
@@ -152,9 +160,16 @@ def test_threads_and_descriptors_do_not_grow_over_20_restarts(job):
         log = res.rank(r)
         fds, threads = log["fds"], log["threads"]
         assert len(fds) == 21
-        # Iteration 1 is the first after a restart; every later one must match it.
-        assert fds[1:] == [fds[1]] * 20, f"rank {r} descriptors per iteration: {fds}"
+        # Iteration 1 is the first after a restart. Threads must match it exactly.
         assert threads[1:] == [threads[1]] * 20, f"rank {r} threads per iteration: {threads}"
+        # Descriptors must not grow: a leak of one per restart would lift the
+        # floor by 20. A socket whose last reference sits in a reference cycle
+        # closes at the next garbage collection, so a single iteration may read
+        # one above the floor; that never accumulates.
+        assert min(fds[-5:]) <= min(fds[1:6]), f"rank {r} descriptors per iteration: {fds}"
+        assert max(fds[1:]) - min(fds[1:]) <= 2, f"rank {r} descriptors per iteration: {fds}"
+        # Once the wrapper returned, nothing of the call stays open.
+        assert log["final_fds"] <= min(fds[1:]), (log["final_fds"], fds)
         assert log["final_threads"] == log["threads_before"], log
         # torch's init_process_group wraps sys.excepthook each time; the engine undoes it.
         assert len(set(log["excepthooks"])) == 1, log["excepthooks"][:3]

@@ -176,6 +176,30 @@ def test_event_first_writer_wins_and_wakes_waiters(tcp_store):
     assert q.wait_event(0, 1) == COMPLETE
 
 
+def test_concurrent_faults_are_all_in_the_one_decision(tcp_store):
+    """Faults recorded by several ranks before the barrier completes are all
+    read by the leader and published together, whatever their order."""
+    n = 6
+    clients = [RestartProtocol(tcp_store.clone(), call=3) for _ in range(n)]
+    for r in (4, 1, 2):  # three ranks fail in iteration 0, in this order
+        clients[r].report_fault(FaultRecord(r, 0, "exception", "RuntimeError", f"fault {r}"))
+    out = [None] * n
+    threads = [
+        threading.Thread(target=lambda r=r: out.__setitem__(r, clients[r].barrier(
+            1, r, n, False,
+            lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 1, leader),
+            10)))
+        for r in range(n)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert all(d is not None for d in out)
+    assert len({d.to_json() for d in out}) == 1
+    assert sorted(f.rank for f in out[0].faults) == [1, 2, 4] and out[0].n_faults == 3
+
+
 def test_wait_times_out_with_the_engines_timeout_error(tcp_store):
     p = RestartProtocol(tcp_store.clone())
     with pytest.raises(inprocess.TimeoutError, match="barrier 4"):
@@ -282,3 +306,20 @@ def test_attach_refuses_a_descriptor_that_is_not_a_page(tmp_path):
     with open(f, "rb+") as fh:
         with pytest.raises(ValueError, match="holds no inprocess heartbeat page"):
             _native.HeartbeatPage.attach(fh.fileno())
+
+
+@pytest.mark.parametrize("use_libuv", [True, False])
+def test_event_wakes_waiters_on_both_server_backends(use_libuv):
+    # torch 2.13's legacy server wakes no waiter on compare_set alone.
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False, use_libuv=use_libuv)
+    waiter = RestartProtocol(server.clone())
+    woke = []
+    t = threading.Thread(target=lambda: woke.append((waiter.wait_event(2, 10), time.monotonic())))
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    RestartProtocol(server.clone()).request_restart(2)
+    t.join(12)
+    assert woke and woke[0][0] == RESTART
+    assert woke[0][1] - start < 1.0, f"woken after {woke[0][1] - start:.2f}s"

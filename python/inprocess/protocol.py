@@ -246,11 +246,18 @@ class RestartProtocol:
         self.ops += 1
         self.store.append(self.key(record.iteration, "faults"), record.to_json() + "\n")
 
+    def _set_event(self, iteration: int, outcome: str) -> str:
+        key = self.key(iteration, "event")
+        self.ops += 2
+        value = self.store.compare_set(key, "", outcome).decode()
+        # torch 2.13's legacy (non-libuv) server wakes no waiter on compare_set;
+        # an empty append wakes them on both backends and changes nothing.
+        self.store.append(key, "")
+        return value
+
     def request_restart(self, iteration: int) -> bool:
         """Returns False when the iteration had completed already."""
-        self.ops += 1
-        value = self.store.compare_set(self.key(iteration, "event"), "", RESTART)
-        return value.decode() == RESTART
+        return self._set_event(iteration, RESTART) == RESTART
 
     def restart_requested(self, iteration: int) -> bool:
         self.ops += 1
@@ -275,8 +282,7 @@ class RestartProtocol:
         self.ops += 1
         count = self.store.add(self.key(iteration, "completed"), 1)
         if count == active_world_size:
-            self.ops += 1
-            self.store.compare_set(self.key(iteration, "event"), "", COMPLETE)
+            self._set_event(iteration, COMPLETE)
 
     # -- barrier ------------------------------------------------------------
 
@@ -388,7 +394,7 @@ class RestartProtocol:
         self.ops += 1
         self.store.set(self.job_key("done"), "1")
 
-    def wait_done(self, timeout: float) -> None:
+    def wait_done(self, timeout: Optional[float]) -> None:
         self.wait_key(self.job_key("done"), timeout, "the other ranks leaving")
         self._delete([self.job_key("done")])
 

@@ -400,16 +400,18 @@ class CallWrapper:
             # Publish before the frames are dropped: dropping them may destroy
             # this rank's process group, and a peer that sees its connection
             # close must find the restart already requested.
-            record = FaultRecord.from_exception(s.initial_rank, s.iteration, "exception", e)
-            first = self._protocol.restart_requested(s.iteration) is False  # type: ignore[union-attr]
-            if first:
-                self._protocol.report_fault(record)  # type: ignore[union-attr]
+            first_hand = not self._protocol.restart_requested(s.iteration)  # type: ignore[union-attr]
+            # An exception after the restart was requested may be a consequence
+            # (a peer's aborted connection) or a fault of its own at the same
+            # moment: it is recorded either way, marked, and only a first-hand
+            # fault counts as this rank's (fn_exception, FaultCounter).
+            kind = "exception" if first_hand else "after_restart"
+            self._protocol.report_fault(  # type: ignore[union-attr]
+                FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e)
+            )
+            if first_hand:
                 s.fn_exception = e
-                log.info("rank %d: fault in iteration %d: %s: %s", s.initial_rank, s.iteration, type(e).__name__, e)
-            else:
-                # The restart was requested before this rank failed: its error is
-                # a consequence (e.g. a peer's aborted connection), not its fault.
-                log.debug("rank %d: %s after the restart was requested", s.initial_rank, type(e).__name__)
+            log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
             _drop_frames(e)
             return False, None
         # The function returned: wait until it returned on every active rank.
@@ -634,8 +636,10 @@ class CallWrapper:
             sys.excepthook = self._saved_excepthook
             if self._is_store_host and self._protocol is not None:
                 # The server lives in this process: keep it until every rank left.
+                # A terminated host waits for the rest of the job, however long.
+                terminated = self.state.mode == Mode.TERMINATED
                 try:
-                    self._protocol.wait_done(_seconds(self._w.timeouts.completion_timeout))
+                    self._protocol.wait_done(None if terminated else _seconds(self._w.timeouts.completion_timeout))
                 except Exception as e:
                     log.warning("store host: the other ranks did not all leave: %s", e)
             if self._interrupter is not None:

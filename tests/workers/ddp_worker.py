@@ -37,6 +37,7 @@ def td(seconds):
 
 
 def inject(kind):
+    log["injected"] = log.get("injected", 0) + 1
     if kind == "exception":
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
     if kind == "system_exit":
@@ -125,7 +126,31 @@ log = {"initial_rank": INITIAL_RANK, "iterations": [], "fds": [], "threads": []}
 
 
 def count_fds():
-    return len(os.listdir("/proc/self/fd"))
+    """This process's descriptors, less the store server's side of other
+    ranks' connections: rank 0 hosts the server, and those sockets come and
+    go with the other processes' connections, not with this process's state."""
+    port = int(os.environ["MASTER_PORT"])
+    served = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] != "0A":  # 0A: LISTEN, this process's own server
+                served.add(fields[9])  # inode
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in served:
+            continue
+        count += 1
+    return count
 
 
 @inprocess.Wrapper(**kwargs)
@@ -194,6 +219,8 @@ def main():
          "duration_s": r.duration_s}
         for r in (call.restarts if call is not None else [])
     ]
+    del call
+    LAST_CALL.clear()  # the CallWrapper holds the store; let it go before counting
     log["final_fds"] = count_fds()
     log["final_threads"] = threading.active_count()
     with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:

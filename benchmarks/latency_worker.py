@@ -1,0 +1,107 @@
+"""One rank of the restart-latency workload (see restart_latency.py).
+
+MODE=inprocess: wrapped in inprocess.Wrapper; rank FAULT_RANK raises at step
+FAULT_STEP of iterations 0..FAULTS-1. MODE=torchrun: plain script restarted by
+torchrun; it raises at FAULT_STEP while TORCHELASTIC_RESTART_COUNT < FAULTS.
+Every rank appends JSON lines to OUT/rank<initial rank>.jsonl: the fault time
+and the time each iteration's first training step starts (CLOCK_MONOTONIC,
+comparable between processes of this host).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MODE = os.environ["MODE"]
+OUT = os.environ["OUT"]
+FAULTS = int(os.environ.get("FAULTS", "5"))
+FAULT_RANK = int(os.environ.get("FAULT_RANK", "2"))
+FAULT_STEP = int(os.environ.get("FAULT_STEP", "5"))
+STEPS = int(os.environ.get("STEPS", "10"))
+RANK = int(os.environ["RANK"])
+if os.environ.get("INPROCESS_TEST_LOG"):
+    import logging
+
+    logging.basicConfig(level=os.environ["INPROCESS_TEST_LOG"], format=f"%(relativeCreated)d r{RANK} %(message)s")
+
+
+def record(**kv: object) -> None:
+    with open(os.path.join(OUT, f"rank{RANK}.jsonl"), "a") as f:
+        f.write(json.dumps(kv) + "\n")
+
+
+def train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None) -> float:
+    try:
+        return _train_steps(iteration, rank, world_size, store)
+    except BaseException as e:
+        record(event="left", iteration=iteration, t_ns=time.monotonic_ns(), why=f"{type(e).__name__}: {e}"[:200])
+        raise
+
+
+def _train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None) -> float:
+    t_init = time.monotonic_ns()
+    record(event="start", iteration=iteration, t_ns=t_init)
+    if store is None:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    loss = torch.zeros(())
+    for step in range(STEPS):
+        if step == 0:
+            record(event="first_step", iteration=iteration, t_ns=time.monotonic_ns(), init_ns=t_init)
+        if step == FAULT_STEP and RANK == FAULT_RANK and iteration < FAULTS:
+            record(event="fault", iteration=iteration, t_ns=time.monotonic_ns())
+            raise RuntimeError(f"benchmark fault {iteration}")
+        x = torch.randn(32, 64)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+    return float(loss.detach())
+
+
+def main_inprocess() -> None:
+    import inprocess
+
+    @inprocess.Wrapper(
+        soft_timeout=datetime.timedelta(seconds=30),
+        hard_timeout=datetime.timedelta(seconds=60),
+        barrier_timeout=datetime.timedelta(seconds=90),
+    )
+    def train(call_wrapper: inprocess.CallWrapper = None) -> float:
+        if call_wrapper.restarts:
+            # The engine's own timestamps of the restart that led here, for the breakdown.
+            r = call_wrapper.restarts[-1]
+            record(event="restart", iteration=r.iteration, fault_ns=r.fault_ns, detected_ns=r.detected_ns,
+                   aborted_ns=r.aborted_ns, finalized_ns=r.finalized_ns, health_checked_ns=r.health_checked_ns,
+                   decided_ns=r.decided_ns, initialized_ns=r.initialized_ns, assignment_ns=r.assignment_ns)
+        st = call_wrapper.frozen_state
+        return train_steps(call_wrapper.iteration, st.active_rank, st.active_world_size, call_wrapper.store)
+
+    train()
+
+
+def main_torchrun() -> None:
+    iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    train_steps(iteration, RANK, int(os.environ["WORLD_SIZE"]), None)
+
+
+if __name__ == "__main__":
+    if MODE == "inprocess":
+        main_inprocess()
+    else:
+        main_torchrun()
+    sys.exit(0)

@@ -1,0 +1,162 @@
+"""Fault-to-resume latency: in-process restart vs. torchrun restarting the processes.
+
+    python benchmarks/restart_latency.py [--faults 5] [--skip-torchrun]
+
+The same 4-rank gloo DDP workload (benchmarks/latency_worker.py) runs twice in
+one invocation: under inprocess.Wrapper, and as a plain script under
+``torchrun --max-restarts``. Rank 2 raises at step 5 of each of the first
+--faults attempts. Latency = from the moment the fault is raised to the moment
+the LAST rank starts the first step of the next attempt (so it includes gloo
+re-initialisation and DDP construction: the user's own re-init). Both clocks
+are CLOCK_MONOTONIC of this host. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))
+
+
+def read(out: pathlib.Path, world_size: int) -> list[list[dict]]:
+    ranks = []
+    for r in range(world_size):
+        path = out / f"rank{r}.jsonl"
+        ranks.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    return ranks
+
+
+def latencies(ranks: list[list[dict]], faults: int) -> list[float]:
+    fault_t = {e["iteration"]: e["t_ns"] for rank in ranks for e in rank if e["event"] == "fault"}
+    out = []
+    for i in range(faults):
+        starts = [e["t_ns"] for rank in ranks for e in rank if e["event"] == "first_step" and e["iteration"] == i + 1]
+        if i in fault_t and len(starts) == len(ranks):
+            out.append((max(starts) - fault_t[i]) / 1e9)
+    return out
+
+
+def breakdown(ranks: list[list[dict]], faults: int) -> dict[str, float]:
+    """Median over faults of each phase, taking for each fault the rank that resumed last."""
+    phases: dict[str, list[float]] = {}
+    fault_t = {e["iteration"]: e["t_ns"] for rank in ranks for e in rank if e["event"] == "fault"}
+    for i in range(faults):
+        rows = []
+        for rank in ranks:
+            rec = next((e for e in rank if e["event"] == "restart" and e["iteration"] == i), None)
+            first = next((e for e in rank if e["event"] == "first_step" and e["iteration"] == i + 1), None)
+            if rec and first:
+                rows.append((first["t_ns"], rec, first))
+        if not rows or i not in fault_t:
+            continue
+        _, rec, first = max(rows, key=lambda row: row[0])
+        f = fault_t[i]
+        marks = [
+            ("detect (fault -> trigger woke)", f, rec["detected_ns"]),
+            ("abort (release collectives)", rec["detected_ns"], rec["aborted_ns"]),
+            ("finalize (+ destroy groups)", max(rec["aborted_ns"], rec["detected_ns"]), rec["finalized_ns"]),
+            ("health check", rec["finalized_ns"], rec["health_checked_ns"]),
+            ("barrier + reassignment", rec["health_checked_ns"], rec["decided_ns"]),
+            ("initialize hook + call", rec["decided_ns"], rec["initialized_ns"]),
+            ("user re-init (gloo PG + DDP)", rec["initialized_ns"], first["t_ns"]),
+        ]
+        for name, a, b in marks:
+            phases.setdefault(name, []).append(max(0, b - a) / 1e9)
+        phases.setdefault("  of which rank assignment (leader)", []).append(rec["assignment_ns"] / 1e9)
+    return {k: statistics.median(v) for k, v in phases.items()}
+
+
+def run_inprocess(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
+    from inprocess._local_launch import LocalJob
+
+    out = tmp / "inprocess"
+    out.mkdir()
+    env = {"MODE": "inprocess", "OUT": str(out), "FAULTS": str(faults)}
+    with LocalJob([str(HERE / "latency_worker.py")], 4, env=env) as job:
+        job.wait(timeout=120 + 10 * faults)
+    bad = [rp for rp in job.ranks if rp.returncode != 0]
+    if bad:
+        raise SystemExit(f"in-process run failed:\n{job.outputs()[-4000:]}")
+    return read(out, 4)
+
+
+def run_torchrun(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
+    from inprocess._local_launch import free_port
+
+    out = tmp / "torchrun"
+    out.mkdir()
+    env = dict(os.environ, MODE="torchrun", OUT=str(out), FAULTS=str(faults),
+               # torch 2.13 restarts a gloo job only with the c10d rendezvous and an unshared store
+               # (otherwise restarted ranks read the previous attempt's addresses: pytorch/pytorch#135712).
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
+           f"--max-restarts={faults}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "--monitor-interval=0.1", str(HERE / "latency_worker.py")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60 + 30 * faults)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrun run failed (rc={proc.returncode}):\n{output[-4000:]}")
+    return read(out, 4)
+
+
+def fmt(v: list[float]) -> str:
+    if not v:
+        return "n/a"
+    return f"median {statistics.median(v) * 1e3:8.1f} ms   range {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms   (n={len(v)})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", type=int, default=5)
+    ap.add_argument("--skip-torchrun", action="store_true")
+    args = ap.parse_args()
+    if args.faults < 1:
+        raise SystemExit(f"--faults={args.faults}: expected >= 1")
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="inprocess-bench-"))
+    try:
+        t0 = time.monotonic()
+        ranks_ip = run_inprocess(args.faults, tmp)
+        wall_ip = time.monotonic() - t0
+        ip = latencies(ranks_ip, args.faults)
+        phases = breakdown(ranks_ip, args.faults)
+        tr: list[float] = []
+        if not args.skip_torchrun:
+            tr = latencies(run_torchrun(args.faults, tmp), args.faults)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"fault-to-resume latency, 4 ranks, gloo DDP, {args.faults} faults (last rank's first step of the next attempt)")
+    print(f"  inprocess : {fmt(ip)}")
+    if tr:
+        print(f"  torchrun  : {fmt(tr)}")
+        print(f"  ratio (torchrun / inprocess, medians): {statistics.median(tr) / statistics.median(ip):.0f}x")
+    print("in-process breakdown (median over faults, rank that resumed last):")
+    for name, v in phases.items():
+        print(f"  {name:38s} {v * 1e3:8.2f} ms")
+    print(json.dumps({
+        "benchmark": "restart_latency", "faults": args.faults, "world_size": 4,
+        "inprocess_s": ip, "torchrun_s": tr,
+        "inprocess_median_s": statistics.median(ip) if ip else None,
+        "torchrun_median_s": statistics.median(tr) if tr else None,
+        "ratio": (statistics.median(tr) / statistics.median(ip)) if ip and tr else None,
+        "phases_median_s": phases, "inprocess_wall_s": wall_ip,
+    }))
+
+
+if __name__ == "__main__":
+    main()
