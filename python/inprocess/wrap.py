@@ -266,6 +266,7 @@ class CallWrapper:
         self.restarts: list[RestartRecord] = []
         self._membership: Optional[Membership] = None
         self._heartbeat: Optional[_native.HeartbeatPage] = None
+        self._watchdog: Optional[_native.Watchdog] = None
         self._interrupter: Optional[MainThreadInterrupter] = None
         self._trigger: Optional[RestartTrigger] = None
         self._store: Optional[dist.Store] = None
@@ -381,7 +382,7 @@ class CallWrapper:
         self._open_iteration_store()
         try:
             self._set_phase(_Phase.RUNNING)
-            with interrupter.running():
+            with interrupter.running(), self._hang_protection():
                 if self._w.initialize is not None:
                     self._w.initialize(s.freeze())
                 if self.restarts:
@@ -586,6 +587,7 @@ class CallWrapper:
             t = self._w.timeouts
             self._heartbeat = _native.HeartbeatPage.create()
             self._heartbeat.set_timeouts(int(_seconds(t.soft_timeout) * 1e9), int(_seconds(t.hard_timeout) * 1e9))
+            self._heartbeat.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
             pg_tracker.install()
             self._store = self._w.store_factory(**self._w.store_kwargs)
             self._is_store_host = store_mod.is_host(self._store)
@@ -596,6 +598,10 @@ class CallWrapper:
             self._key_owners = key_gathering_leaves(self._w.rank_assignment)
             self._interrupter = MainThreadInterrupter()
             self._interrupter.install()
+            self._watchdog = _native.Watchdog(
+                self._heartbeat.fd, int(_seconds(t.progress_watchdog_interval) * 1e9), self._on_soft_timeout
+            )
+            self._watchdog.start()
             self._trigger = RestartTrigger(
                 trigger_protocol,
                 self._interrupter,
@@ -614,6 +620,36 @@ class CallWrapper:
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
         p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
 
+    @contextlib.contextmanager
+    def _hang_protection(self) -> Iterator[None]:
+        """Soft and hard timeouts apply while the function runs, and only then:
+        the engine's own waits (barriers, completion) have timeouts of their own."""
+        hb = self._heartbeat
+        assert hb is not None
+        hb.begin_iteration(self.state.iteration, self.state.world_size)
+        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
+        try:
+            yield
+        finally:
+            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+
+    def _on_soft_timeout(self, event: Any) -> None:
+        """Runs in a thread of its own (the watchdog never waits for the GIL):
+        no progress for soft_timeout restarts the whole job."""
+        s = self.state
+        p = self._protocol
+        if p is None or event.iteration != s.iteration or s.mode != Mode.ACTIVE:
+            return
+        since = (event.detected_ns - event.last_progress_ns) / 1e9
+        clock = "manual (ping)" if event.manual else "automatic"
+        e = TimeoutError(f"no {clock} progress for {since:.1f}s (soft_timeout="
+                         f"{_seconds(self._w.timeouts.soft_timeout):g}s)")
+        log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
+        try:
+            p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e))
+        except Exception as err:  # the store is gone: the hard timeout is the next line of defence
+            log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
+
     def _open_iteration_store(self) -> None:
         """A fresh client connection per iteration for the function's own
         rendezvous, so that a restart can release a rendezvous blocked on a
@@ -630,6 +666,8 @@ class CallWrapper:
     def _close(self) -> None:
         global _current
         try:
+            if self._watchdog is not None:
+                self._watchdog.stop(1_000_000_000)
             if self._trigger is not None:
                 self._trigger.stop()
             pg_tracker.release_groups()
@@ -653,6 +691,7 @@ class CallWrapper:
                 else:
                     os.environ[k] = v
             self._trigger = None
+            self._watchdog = None
             self._user_client = None
             self._store = None
             with _current_lock:

@@ -38,6 +38,7 @@ def td(seconds):
 
 def inject(kind):
     log["injected"] = log.get("injected", 0) + 1
+    log["fault_ns"] = time.monotonic_ns()
     if kind == "exception":
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
     if kind == "system_exit":
@@ -48,6 +49,11 @@ def inject(kind):
         raise inprocess.RestartAbort("injected")
     if kind == "hang":
         time.sleep(3600)
+    if kind == "livelock":
+        # Keeps running Python (automatic progress goes on) but stops pinging.
+        deadline = time.monotonic() + 3600
+        while time.monotonic() < deadline:
+            pass
     if kind.startswith("delayed_exception"):
         time.sleep(float(kind.split(":")[1]))
         log["fault_ns"] = time.monotonic_ns()
@@ -109,8 +115,10 @@ wrapper_spec = PLAN.get("wrapper", {})
 kwargs = dict(
     barrier_timeout=td(wrapper_spec.get("barrier_timeout", 30)),
     completion_timeout=td(wrapper_spec.get("completion_timeout", 30)),
-    soft_timeout=td(10),
-    hard_timeout=td(20),
+    soft_timeout=td(wrapper_spec.get("soft_timeout", 10)),
+    hard_timeout=td(wrapper_spec.get("hard_timeout", 20)),
+    progress_watchdog_interval=td(wrapper_spec.get("progress_watchdog_interval", 1)),
+    monitor_thread_interval=td(wrapper_spec.get("progress_watchdog_interval", 1)),
 )
 kwargs.update(make_hooks(wrapper_spec))
 if wrapper_spec.get("max_iterations") is not None:
@@ -168,6 +176,7 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
         "env_rank": os.environ.get("RANK"),
         "env_world_size": os.environ.get("WORLD_SIZE"),
         "steps": 0,
+        "started_ns": time.monotonic_ns(),
     }
     log["iterations"].append(entry)
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
