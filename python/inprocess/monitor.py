@@ -1,0 +1,508 @@
+"""The monitor process: one per rank, spawned, watching the rank from outside.
+
+Run as ``python -m inprocess.monitor ...`` (see :func:`spawn_monitor`, which
+the rank process calls). The monitor
+
+- sees the rank's death at once through a pidfd (no poll interval),
+- enforces the hard timeout written on the rank's heartbeat page
+  (SIGCONT + SIGTERM, grace, SIGKILL, in the native
+  :class:`inprocess._native.HardTimeoutGuard`, which needs no Python),
+- when the rank died in the middle of the job, records the fault in the store
+  and arrives at the next barrier as terminated on the rank's behalf, so that
+  the other ranks restart without it,
+- exits when the rank exits; it never outlives it.
+
+It imports no torch (it stays around 20 MB instead of 220 MB): the store is
+reached with :class:`inprocess.tcpstore_client.TCPStoreClient`, the restart
+protocol is :mod:`inprocess.protocol`. It connects to the store only when it
+has something to write (or to heartbeat), so a job whose ranks never fail
+costs the store no connection per rank.
+
+What the monitor does with a dead rank, from the heartbeat page as the rank
+left it (``iteration``, ``phase``, ``world_size``, ``flags``):
+
+============================================  ===================================
+page                                          monitor
+============================================  ===================================
+phase DONE or TERMINATED                      nothing: the rank left the wrapper
+                                              itself (and told the store)
+flag ARRIVED_AT_BARRIER (the rank counted      waits for that barrier's decision;
+itself in at barrier b: b = 0 before its       if the rank is in it: records a
+first decision, i.e. world_size 0, else        fault for iteration b and arrives
+iteration + 1)                                 at barrier b + 1 (expected = the
+                                              decision's world size)
+world_size 0 (no decision applied yet:         arrives at barrier 0 (expected =
+STARTING, INITIAL_BARRIER)                     ``--world-size``, if given)
+any other phase                               records a fault for ``iteration``,
+                                              arrives at barrier iteration + 1
+                                              (expected = world_size); if the
+                                              iteration had completed instead,
+                                              leaves on the rank's behalf
+============================================  ===================================
+
+Remaining race: the rank's arrival at a barrier is one ``add``; the engine is
+meant to set FLAG_ARRIVED_AT_BARRIER right after it returns. A rank that dies
+between the two is counted twice (the monitor's arrival is then rejected by
+the count check of the others, or completes the barrier early). Closing it
+needs a per-rank claim in the protocol (compare_set of ``<b>/arrived/<rank>``
+by the rank and by its monitor, the winner does the ``add``).
+
+Exit codes: 0 the rank exited and everything needed was recorded (or nothing
+was needed), or the monitor was told to stop (SIGTERM/SIGHUP); 2 bad
+arguments; 3 the store could not be updated; 4 internal error; 5 the rank
+could not be signalled after a hard timeout (it may still be alive).
+SIGINT is ignored: a Ctrl-C reaches the rank's whole process group, and the
+rank decides what to do with it; the monitor follows the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+from . import _native
+from .protocol import FaultRecord, RestartProtocol
+from .state import Mode
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_STORE = 3
+EXIT_INTERNAL = 4
+EXIT_UNKILLABLE = 5
+
+_NS = 1_000_000_000
+_FOREVER_NS = 10 * 365 * 24 * 3600 * _NS
+_FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
+_BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
+
+log = logging.getLogger("inprocess.monitor")
+
+
+# -- command line -------------------------------------------------------------
+
+
+def _positive(kind: type, name: str, allow_zero: bool = False):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+        if value < 0 or (value == 0 and not allow_zero) or value != value:
+            bound = ">= 0" if allow_zero else "> 0"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m inprocess.monitor",
+        description="Watch one rank of an inprocess job: record its death in the store, enforce its hard timeout.",
+    )
+    p.add_argument("--store-host", required=True, help="TCPStore server host")
+    p.add_argument("--store-port", required=True, type=_positive(int, "--store-port"), help="TCPStore server port")
+    p.add_argument("--call", required=True, type=_positive(int, "--call", True), help="wrapped call index (key prefix)")
+    p.add_argument("--rank", required=True, type=_positive(int, "--rank", True), help="initial rank of the watched rank")
+    p.add_argument("--heartbeat-fd", required=True, type=_positive(int, "--heartbeat-fd", True),
+                   help="inherited fd of the rank's heartbeat page")
+    p.add_argument("--pid", required=True, type=_positive(int, "--pid"), help="pid of the rank process")
+    p.add_argument("--grace-s", required=True, type=_positive(float, "--grace-s", True),
+                   help="SIGTERM -> SIGKILL grace after a hard timeout (termination_grace_time)")
+    p.add_argument("--kill-wait-s", type=_positive(float, "--kill-wait-s"), default=5.0,
+                   help="after SIGKILL, how long to wait to see the death (default 5)")
+    p.add_argument("--world-size", type=_positive(int, "--world-size"), default=None,
+                   help="initial world size: lets the monitor arrive at barrier 0 for a rank that died before it")
+    p.add_argument("--store-timeout-s", type=_positive(float, "--store-timeout-s"), default=60.0,
+                   help="deadline of every store operation (default 60)")
+    p.add_argument("--barrier-timeout-s", type=_positive(float, "--barrier-timeout-s"), default=120.0,
+                   help="how long to wait for a barrier decision the rank took part in (default 120)")
+    p.add_argument("--heartbeat-interval-s", type=_positive(float, "--heartbeat-interval-s", True), default=0.0,
+                   help="add 1 to inprocess/<call>/monitors/<rank> this often (0: off, the default)")
+    p.add_argument("--logfile", default=None, help="append the log here (default: stderr)")
+    p.add_argument("--pidfile", default=None,
+                   help="written with the monitor's pid once it watches the rank; removed on every exit")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def monitor_heartbeat_key(call: int, rank: int) -> str:
+    """The counter a monitor adds 1 to every ``--heartbeat-interval-s``."""
+    return f"inprocess/{call}/monitors/{rank}"
+
+
+# -- the rank's process, seen from outside -------------------------------------
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """Fields of /proc/<pid>/stat after the command name (field 3 first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def _start_time(pid: int) -> Optional[int]:
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def _zombie_status(pid: int, start_time: Optional[int]) -> Optional[int]:
+    """The wait status of the rank while it is an unreaped zombie, else None.
+
+    Best effort: the parent (the launcher) may have reaped it already. The
+    start time guards against a recycled pid.
+    """
+    fields = _proc_stat(pid)
+    if not fields or len(fields) < 50 or fields[0] != "Z":
+        return None
+    if start_time is None or int(fields[19]) != start_time:
+        return None
+    return int(fields[49])
+
+
+def _describe_status(status: Optional[int]) -> tuple[str, str]:
+    """(fault kind, type) from a wait status."""
+    if status is None:
+        return "exited", "RankExited"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return "killed", name
+    if os.WIFEXITED(status):
+        return "exited", f"exit code {os.WEXITSTATUS(status)}"
+    return "exited", "RankExited"
+
+
+# -- the monitor ------------------------------------------------------------------
+
+
+class Monitor:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rank: int = args.rank
+        self.pid: int = args.pid
+        self.page: Optional[_native.HeartbeatPage] = None
+        self.pidfd = -1
+        self.guard: Optional[_native.HardTimeoutGuard] = None
+        self._protocol: Optional[RestartProtocol] = None
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread: Optional[threading.Thread] = None
+        self._event: Optional[_native.GuardEvent] = None
+        self._start_time: Optional[int] = None
+
+    # store ------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        from .tcpstore_client import TCPStoreClient
+
+        timeout = datetime.timedelta(seconds=self.args.store_timeout_s)
+        return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout)
+
+    @property
+    def protocol(self) -> RestartProtocol:
+        if self._protocol is None:
+            self._protocol = RestartProtocol(self._connect(), self.args.call)
+        return self._protocol
+
+    def _heartbeat_loop(self) -> None:
+        key = monitor_heartbeat_key(self.args.call, self.rank)
+        store = None
+        while True:
+            try:
+                if store is None:
+                    store = self._connect()
+                store.add(key, 1)
+            except Exception as e:  # the store is down or slow: try again next interval
+                log.warning("heartbeat to the store failed: %s: %s", type(e).__name__, e)
+                store = None
+            if self._stop_heartbeat.wait(self.args.heartbeat_interval_s):
+                break
+        if store is not None:
+            store.close()
+
+    # lifecycle ----------------------------------------------------------------
+
+    def run(self) -> int:
+        # SIGTERM/SIGHUP (stop) and SIGUSR1 (the guard has an event) are taken
+        # with sigwait in the main thread; blocked before any thread starts so
+        # that every thread inherits the mask and none runs a handler.
+        stop_signals = {signal.SIGTERM, signal.SIGHUP}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals | {signal.SIGUSR1})
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        original_parent = os.getppid()
+        try:
+            self.page = _native.HeartbeatPage.attach(self.args.heartbeat_fd)
+        except (OSError, ValueError) as e:
+            log.error("cannot attach the heartbeat page on fd %d: %s", self.args.heartbeat_fd, e)
+            return EXIT_USAGE
+        os.close(self.args.heartbeat_fd)  # the page holds its own duplicate
+        snap = self.page.snapshot()
+        if snap.pid != self.pid:
+            log.error("the heartbeat page belongs to pid %d, not to --pid %d", snap.pid, self.pid)
+            return EXIT_USAGE
+        self._start_time = _start_time(self.pid)
+        try:
+            self.pidfd = _native.pidfd_open(self.pid)
+        except OSError as e:
+            log.warning("rank %d (pid %d) is gone before its monitor started (%s)", self.rank, self.pid, e)
+            return self.handle_death(None)
+        if self.pid == original_parent and os.getppid() != original_parent:
+            # Re-parented: the rank died before the pidfd was opened, and the
+            # pidfd may name a process that reused its pid.
+            log.warning("rank %d (pid %d) died before its monitor started", self.rank, self.pid)
+            return self.handle_death(None)
+        self.guard = _native.HardTimeoutGuard(
+            self.page.fd, self.pidfd, int(self.args.grace_s * _NS), int(self.args.kill_wait_s * _NS)
+        )
+        self.guard.start()
+        main = threading.get_ident()
+        waiter = threading.Thread(target=self._wait_guard, args=(main,), name="inprocess-monitor-guard", daemon=True)
+        waiter.start()
+        if self.args.heartbeat_interval_s > 0:
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name="inprocess-monitor-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
+        if self.args.pidfile:
+            # Written once the rank is watched: the file's existence means so.
+            _write_pidfile(self.args.pidfile)
+        log.info("watching rank %d (pid %d), phase %s", self.rank, self.pid, snap.phase.name)
+        sig = signal.sigwait(stop_signals | {signal.SIGUSR1})
+        if sig != signal.SIGUSR1:
+            log.info("stopped by %s; rank %d (pid %d) left as it is", signal.Signals(sig).name, self.rank, self.pid)
+            return EXIT_OK
+        waiter.join()
+        if self._event is None:
+            log.error("the hard-timeout guard ended without an event")
+            return EXIT_INTERNAL
+        return self.handle_event(self._event)
+
+    def _wait_guard(self, main: int) -> None:
+        assert self.guard is not None
+        try:
+            self._event = self.guard.wait_event(_FOREVER_NS)
+        finally:
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    def close(self) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(self.args.store_timeout_s)
+        if self.guard is not None:
+            self.guard.stop(int(self.args.kill_wait_s * _NS) + int(self.args.grace_s * _NS) + _NS)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self._protocol is not None:
+            close = getattr(self._protocol.store, "close", None)
+            if close is not None:
+                close()
+        if self.page is not None:
+            self.page.close()
+
+    # what happened ------------------------------------------------------------
+
+    def handle_event(self, event: _native.GuardEvent) -> int:
+        if event.kind == _native.GuardEventKind.HARD_TIMEOUT:
+            kill = event.kill
+            outcome = kill.outcome if kill is not None else None
+            waited = (event.detected_ns - event.last_progress_ns) / 1e9
+            log.warning(
+                "rank %d (pid %d): no progress for %.3fs in iteration %d, phase %s: %s",
+                self.rank, self.pid, waited, event.iteration, event.phase.name,
+                outcome.name if outcome is not None else "no kill",
+            )
+            detail = f"no progress for {waited:.3f}s; kill: {outcome.name if outcome is not None else '?'}"
+            if outcome == _native.KillOutcome.SIGNAL_FAILED:
+                self.record_only("hard_timeout", "KillFailed", detail + f" (errno {kill.error})")  # type: ignore[union-attr]
+                return EXIT_UNKILLABLE
+            return self.handle_death(("hard_timeout", "HardTimeout", detail))
+        return self.handle_death(None)
+
+    def _page_snapshot(self) -> Optional[_native.HeartbeatSnapshot]:
+        return self.page.snapshot() if self.page is not None and not self.page.closed else None
+
+    def record_only(self, kind: str, type_: str, message: str) -> None:
+        snap = self._page_snapshot()
+        iteration = snap.iteration if snap is not None else 0
+        try:
+            self.protocol.report_fault(
+                FaultRecord(self.rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
+            )
+        except Exception as e:
+            log.error("could not record the fault of rank %d: %s: %s", self.rank, type(e).__name__, e)
+
+    def handle_death(self, cause: Optional[tuple[str, str, str]]) -> int:
+        """The rank is dead (or was killed): tell the others what they need."""
+        snap = self._page_snapshot()
+        if snap is None:
+            log.error("no heartbeat page: cannot tell where rank %d died", self.rank)
+            return EXIT_INTERNAL
+        phase, iteration, world_size = snap.phase, snap.iteration, snap.world_size
+        arrived = bool(snap.flags & _native.FLAG_ARRIVED_AT_BARRIER)
+        if cause is None:
+            kind, type_ = _describe_status(_zombie_status(self.pid, self._start_time))
+            message = f"rank process {self.pid} died"
+        else:
+            kind, type_, message = cause
+        message = f"{message} in iteration {iteration}, phase {phase.name}"
+        if phase in _FINISHED:
+            log.info("rank %d (pid %d) exited after leaving the wrapper (%s): nothing to do", self.rank, self.pid,
+                     phase.name)
+            return EXIT_OK
+        log.warning("rank %d: %s (%s, %s)", self.rank, message, kind, type_)
+        try:
+            if arrived:
+                barrier = 0 if world_size == 0 else iteration + 1
+                self._after_own_arrival(barrier, kind, type_, message)
+            elif world_size == 0:
+                self._before_first_decision(message)
+            else:
+                self._in_iteration(iteration, world_size, kind, type_, message)
+        except Exception as e:
+            log.error("rank %d: could not update the store: %s: %s", self.rank, type(e).__name__, e)
+            return EXIT_STORE
+        return EXIT_OK
+
+    def _record(self, iteration: int, kind: str, type_: str, message: str) -> bool:
+        record = FaultRecord(self.rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
+        return self.protocol.report_fault(record)
+
+    def _arrive_for_rank(self, barrier: int, expected: int) -> None:
+        self.protocol.barrier(barrier, self.rank, expected, True, None, self.args.barrier_timeout_s)
+        log.info("arrived at barrier %d as terminated for rank %d (expected %d)", barrier, self.rank, expected)
+
+    def _in_iteration(self, iteration: int, world_size: int, kind: str, type_: str, message: str) -> None:
+        if self._record(iteration, kind, type_, message):
+            self._arrive_for_rank(iteration + 1, world_size)
+        else:
+            # The iteration had completed: the rank would have left; leave for it.
+            log.info("iteration %d had completed: rank %d leaves through its monitor", iteration, self.rank)
+            self.protocol.leave(iteration, world_size)
+
+    def _before_first_decision(self, message: str) -> None:
+        if self.args.world_size is None:
+            log.error("rank %d died before the initial barrier (%s) and --world-size was not given: "
+                      "the others will wait for it until their barrier timeout", self.rank, message)
+            raise RuntimeError("cannot arrive at barrier 0 without --world-size")
+        self._arrive_for_rank(0, self.args.world_size)
+
+    def _after_own_arrival(self, barrier: int, kind: str, type_: str, message: str) -> None:
+        """The rank counted itself in at ``barrier`` and died before applying its decision."""
+        decision = self.protocol.wait_decision(barrier, self.args.barrier_timeout_s)
+        membership = decision.membership
+        if decision.abort is not None or membership.mode[self.rank] == Mode.TERMINATED:
+            log.info("barrier %d left rank %d out (or ended the job): nothing to do", barrier, self.rank)
+            return
+        self._in_iteration(barrier, membership.world_size, kind, type_, message + f" (after barrier {barrier})")
+
+
+# -- entry points ---------------------------------------------------------------
+
+
+def _write_pidfile(path: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+
+
+def _remove_pidfile(path: str) -> None:
+    try:
+        with open(path) as f:
+            mine = f.read().strip() == str(os.getpid())
+        if mine:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: logging.Handler
+    handler = logging.FileHandler(args.logfile) if args.logfile else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s inprocess.monitor[rank {args.rank}, pid %(process)d] %(levelname)s %(message)s"
+    ))
+    log.addHandler(handler)
+    log.setLevel(args.log_level)
+    log.propagate = False
+    monitor = Monitor(args)
+    try:
+        return monitor.run()
+    except Exception:
+        log.exception("monitor of rank %d failed", args.rank)
+        return EXIT_INTERNAL
+    finally:
+        try:
+            monitor.close()
+        finally:
+            if args.pidfile:
+                _remove_pidfile(args.pidfile)
+            if os.environ.get("INPROCESS_MONITOR_REPORT_MODULES"):
+                # Test hook: proves that no torch was imported.
+                log.info("modules: torch=%s", "torch" in sys.modules)
+            handler.close()
+
+
+def spawn_monitor(
+    heartbeat: _native.HeartbeatPage,
+    store_host: str,
+    store_port: int,
+    call: int,
+    rank: int,
+    grace_s: float,
+    *,
+    world_size: Optional[int] = None,
+    kill_wait_s: float = 5.0,
+    store_timeout_s: float = 60.0,
+    barrier_timeout_s: float = 120.0,
+    heartbeat_interval_s: float = 0.0,
+    logfile: Optional[str] = None,
+    pidfile: Optional[str] = None,
+    log_level: str = "INFO",
+    env: Optional[dict[str, str]] = None,
+) -> subprocess.Popen:
+    """Start the monitor of this process (the rank): fork + exec of a fresh interpreter.
+
+    The heartbeat page's fd is the only descriptor passed on. The monitor stays
+    in the rank's session and process group. The caller owns the returned
+    handle: it must ``terminate()`` and ``wait()`` it when the rank stops
+    needing it (or let it exit by itself when the rank exits).
+    """
+    argv = [
+        sys.executable, "-m", "inprocess.monitor",
+        "--store-host", store_host, "--store-port", str(store_port),
+        "--call", str(call), "--rank", str(rank),
+        "--heartbeat-fd", str(heartbeat.fd), "--pid", str(os.getpid()),
+        "--grace-s", repr(float(grace_s)), "--kill-wait-s", repr(float(kill_wait_s)),
+        "--store-timeout-s", repr(float(store_timeout_s)), "--barrier-timeout-s", repr(float(barrier_timeout_s)),
+        "--heartbeat-interval-s", repr(float(heartbeat_interval_s)), "--log-level", log_level,
+    ]
+    if world_size is not None:
+        argv += ["--world-size", str(world_size)]
+    if logfile is not None:
+        argv += ["--logfile", logfile]
+    if pidfile is not None:
+        argv += ["--pidfile", pidfile]
+    return subprocess.Popen(
+        argv, pass_fds=[heartbeat.fd], stdin=subprocess.DEVNULL, start_new_session=False, env=env
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

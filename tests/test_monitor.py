@@ -1,0 +1,308 @@
+"""The monitor process (python -m inprocess.monitor) against real ranks, signals and a real TCPStore.
+
+A fake rank (tests/workers/monitor_rank.py) creates its heartbeat page, spawns
+its monitor with spawn_monitor and then faults. The test process is a child
+subreaper while a test runs, so the monitor, orphaned when its rank dies, is
+re-parented to it: the test reads the monitor's exit status and reaps it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from inprocess import _native
+from inprocess.monitor import EXIT_OK, build_parser
+from inprocess.protocol import TERMINATED_UNIT, RestartProtocol
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="pidfds and subreapers are Linux-only")
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "monitor_rank.py"
+PR_SET_CHILD_SUBREAPER = 36
+S = 1_000_000_000
+
+
+def _set_subreaper(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+class RankRun:
+    """One fake rank and its monitor."""
+
+    def __init__(self, tmp: pathlib.Path, port: int, **plan: Any):
+        self.logfile = tmp / f"monitor{plan.get('rank', 1)}.log"
+        self.pidfile = tmp / f"monitor{plan.get('rank', 1)}.pid"
+        self.plan = {
+            "store_port": port, "rank": 1, "call": 0, "iteration": 2, "world_size": 4, "phase": "RUNNING",
+            "hard_timeout_s": 0.0, "grace_s": 0.2, "action": "wait",
+            "logfile": str(self.logfile), "pidfile": str(self.pidfile),
+        }
+        self.plan.update(plan)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(self.plan)], stdout=subprocess.PIPE, text=True
+        )
+        self.monitor_pid: Optional[int] = None
+        self.monitor_status: Optional[int] = None
+
+    def spawned(self) -> int:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert line and line[0] == "spawned", f"rank said {line!r}; log:\n{self.log()}"
+        self.monitor_pid = int(line[1])
+        return self.monitor_pid
+
+    def ready(self) -> int:
+        self.spawned()
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert line == ["ready", str(self.monitor_pid)], f"rank said {line!r}; log:\n{self.log()}"
+        return self.monitor_pid  # type: ignore[return-value]
+
+    def log(self) -> str:
+        return self.logfile.read_text() if self.logfile.exists() else "(no monitor log)"
+
+    def wait_rank(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def wait_monitor(self, timeout: float) -> int:
+        """The monitor's exit code (it was re-parented to this process)."""
+        assert self.monitor_pid is not None
+        if self.monitor_status is None:
+            deadline = time.monotonic() + timeout
+            while True:  # test harness: waitpid has no timeout
+                pid, status = os.waitpid(self.monitor_pid, os.WNOHANG)
+                if pid:
+                    self.monitor_status = status
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"monitor {self.monitor_pid} still running; log:\n{self.log()}")
+                time.sleep(0.01)
+        return os.waitstatus_to_exitcode(self.monitor_status)
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        if self.monitor_pid is not None and self.monitor_status is None:
+            try:
+                pid, status = os.waitpid(self.monitor_pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = 0, 0
+            if pid == 0:
+                try:
+                    os.kill(self.monitor_pid, signal.SIGKILL)
+                    _, status = os.waitpid(self.monitor_pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+            self.monitor_status = status
+
+
+@pytest.fixture
+def store() -> Iterator[Any]:
+    server = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+    del server
+
+
+@pytest.fixture
+def rank_run(tmp_path: pathlib.Path, store: Any) -> Iterator[Any]:
+    runs: list[RankRun] = []
+    shm_before = _shm()
+    _set_subreaper(True)
+
+    def start(**plan: Any) -> RankRun:
+        run = RankRun(tmp_path, store.port, **plan)
+        runs.append(run)
+        return run
+
+    try:
+        yield start
+    finally:
+        try:
+            for run in runs:
+                run.cleanup()
+        finally:
+            _set_subreaper(False)
+    for run in runs:
+        assert run.monitor_pid is None or not os.path.exists(f"/proc/{run.monitor_pid}"), "a monitor remains"
+        assert not run.pidfile.exists(), "the monitor left its pidfile"
+    assert _shm() <= shm_before, f"left in /dev/shm: {sorted(_shm() - shm_before)}"
+
+
+def _faults(store: Any, iteration: int) -> list[Any]:
+    return RestartProtocol(store, 0).read_faults(iteration)
+
+
+def _arrivals(store: Any, barrier: int) -> int:
+    return int(store.add(f"inprocess/0/{barrier}/arrivals", 0))
+
+
+def _assert_died_in_iteration(store: Any, run: RankRun, kind: str, type_: Optional[str] = None) -> None:
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    faults = _faults(store, 2)
+    assert len(faults) == 1, (faults, run.log())
+    f = faults[0]
+    assert (f.rank, f.iteration, f.kind) == (1, 2, kind), (f, run.log())
+    if type_ is not None:
+        assert f.type == type_, f
+    assert "phase RUNNING" in f.message
+    assert store.get("inprocess/0/2/event") == b"restart"
+    assert _arrivals(store, 3) == TERMINATED_UNIT  # one terminated arrival, no healthy one
+    assert store.get("inprocess/0/3/terminated") == b"1,"
+    assert "modules: torch=False" in run.log()
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_is_recorded_and_the_monitor_arrives_for_the_rank(rank_run: Any, store: Any) -> None:
+    run = rank_run()
+    mpid = run.ready()
+    # The monitor watches: it is light and holds no torch.
+    maps = pathlib.Path(f"/proc/{mpid}/maps").read_text()
+    assert "libtorch" not in maps and "torch/_C" not in maps
+    status = pathlib.Path(f"/proc/{mpid}/status").read_text()
+    rss_kb = int(status.split("VmRSS:")[1].split()[0])
+    rollup = pathlib.Path(f"/proc/{mpid}/smaps_rollup").read_text()
+    uss_kb = sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Private_"))
+    print(f"monitor RSS {rss_kb} kB, USS {uss_kb} kB")
+    assert rss_kb < 64 * 1024
+    assert int(run.pidfile.read_text()) == mpid
+    os.kill(run.proc.pid, signal.SIGKILL)
+    assert run.wait_rank(10) == -signal.SIGKILL
+    _assert_died_in_iteration(store, run, "killed", "SIGKILL")
+
+
+@pytest.mark.timeout(60)
+def test_hard_timeout_kills_the_rank(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="hang", hard_timeout_s=0.5, grace_s=0.2)
+    run.ready()
+    t0 = time.monotonic()
+    rc = run.wait_rank(20)
+    assert rc == -signal.SIGTERM  # a sleeping Python dies of SIGTERM within the grace
+    assert time.monotonic() - t0 < 10
+    _assert_died_in_iteration(store, run, "hard_timeout", "HardTimeout")
+    assert "EXITED_DURING_GRACE" in _faults(store, 2)[0].message
+
+
+@pytest.mark.timeout(60)
+def test_sigstop_is_handled_by_the_hard_timeout(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="wait", hard_timeout_s=0.5, grace_s=0.2)
+    run.ready()
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    assert run.wait_rank(20) in (-signal.SIGTERM, -signal.SIGKILL)
+    _assert_died_in_iteration(store, run, "hard_timeout", "HardTimeout")
+
+
+@pytest.mark.timeout(60)
+def test_normal_exit_leaves_the_store_alone(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="done")
+    run.ready()
+    assert run.wait_rank(10) == 0
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    for key in ("inprocess/0/2/faults", "inprocess/0/2/event", "inprocess/0/3/arrivals", "inprocess/0/3/terminated"):
+        assert not store.check([key]), key
+    assert "nothing to do" in run.log()
+
+
+@pytest.mark.timeout(60)
+def test_os_exit_is_recorded(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="exit1")
+    run.ready()
+    assert run.wait_rank(10) == 1
+    _assert_died_in_iteration(store, run, "exited")
+
+
+@pytest.mark.timeout(60)
+def test_segfault_is_recorded(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="segv")
+    run.ready()
+    assert run.wait_rank(10) == -signal.SIGSEGV
+    _assert_died_in_iteration(store, run, "killed")
+
+
+@pytest.mark.timeout(60)
+def test_rank_gone_before_the_monitor_watches(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="early")
+    run.spawned()
+    assert run.wait_rank(10) == 3
+    _assert_died_in_iteration(store, run, "exited")
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_the_monitor_without_touching_the_store(rank_run: Any, store: Any) -> None:
+    run = rank_run(action="wait")
+    mpid = run.ready()
+    os.kill(mpid, signal.SIGTERM)
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    assert not store.check(["inprocess/0/2/faults"])
+    assert not run.pidfile.exists()
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> None:
+    """Died after counting itself in at barrier 3: the monitor waits for the
+    decision, reports a fault in iteration 3 and arrives at barrier 4."""
+    from inprocess.membership import Membership
+    from inprocess.protocol import Decision
+
+    p = RestartProtocol(store, 0)
+    run = rank_run(phase="RESTART_BARRIER", flags=["FLAG_ARRIVED_AT_BARRIER"])
+    run.ready()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.wait_rank(10)
+    membership = Membership.all_active(4)
+    membership.terminate({2})
+    p.publish_decision(Decision(3, membership, [2], [], 0, leader=0))
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    assert not store.check(["inprocess/0/3/terminated"])  # no double arrival at barrier 3
+    faults = p.read_faults(3)
+    assert [(f.rank, f.kind) for f in faults] == [(1, "killed")]
+    assert _arrivals(store, 4) == TERMINATED_UNIT
+    assert store.get("inprocess/0/4/terminated") == b"1,"
+
+
+@pytest.mark.timeout(60)
+def test_rank_dead_before_the_initial_barrier(rank_run: Any, store: Any) -> None:
+    run = rank_run(phase="INITIAL_BARRIER", world_size=0, iteration=0, initial_world_size=4)
+    run.ready()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.wait_rank(10)
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    assert _arrivals(store, 0) == TERMINATED_UNIT
+    assert store.get("inprocess/0/0/terminated") == b"1,"
+
+
+@pytest.mark.timeout(30)
+def test_cli_validation() -> None:
+    parser = build_parser()
+    base = ["--store-host", "h", "--store-port", "1", "--call", "0", "--rank", "0",
+            "--heartbeat-fd", "3", "--pid", "1", "--grace-s", "1"]
+    assert parser.parse_args(base).grace_s == 1.0
+    for bad in (["--store-port", "0"], ["--rank", "-1"], ["--grace-s", "x"], ["--pid", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "inprocess.monitor", *base, *bad],
+                              capture_output=True, text=True, timeout=20)
+        assert proc.returncode == 2 and bad[0] in proc.stderr, (bad, proc.stderr)
+    # An fd that is no heartbeat page is refused with a message.
+    proc = subprocess.run([sys.executable, "-m", "inprocess.monitor", *base[:-2], "--grace-s", "1"],
+                          capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "heartbeat" in proc.stderr
