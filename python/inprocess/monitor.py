@@ -246,7 +246,7 @@ class Monitor:
         original_parent = os.getppid()
         try:
             self.page = _native.HeartbeatPage.attach(self.args.heartbeat_fd)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RuntimeError) as e:
             log.error("cannot attach the heartbeat page on fd %d: %s", self.args.heartbeat_fd, e)
             return EXIT_USAGE
         os.close(self.args.heartbeat_fd)  # the page holds its own duplicate
