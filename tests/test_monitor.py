@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from inprocess import _native
-from inprocess.monitor import EXIT_OK, build_parser
+from inprocess.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
 from inprocess.protocol import TERMINATED_UNIT, RestartProtocol
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -282,11 +282,11 @@ def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> 
     run = rank_run(phase="RESTART_BARRIER", flags=["FLAG_ARRIVED_AT_BARRIER"])
     run.ready()
     os.kill(run.proc.pid, signal.SIGKILL)
-    run.wait_rank(10)
     membership = Membership.all_active(4)
     membership.terminate({2})
     p.publish_decision(Decision(3, membership, [2], [], 0, leader=0))
     assert run.wait_monitor(10) == EXIT_OK, run.log()
+    run.wait_rank(10)
     assert not store.check(["inprocess/0/3/terminated"])  # no double arrival at barrier 3
     faults = p.read_faults(3)
     assert [(f.rank, f.kind) for f in faults] == [(1, "killed")]
@@ -320,3 +320,20 @@ def test_cli_validation() -> None:
                           capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
     assert "heartbeat" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_monitor_heartbeats_through_the_store(rank_run: Any, store: Any) -> None:
+    run = rank_run(heartbeat_interval_s=0.05)
+    run.ready()
+    key = monitor_heartbeat_key(0, 1)
+    store.wait([key])
+    first = int(store.add(key, 0))
+    time.sleep(0.5)
+    assert int(store.add(key, 0)) > first
+    os.kill(run.proc.pid, signal.SIGKILL)
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    run.wait_rank(10)
+    stopped = int(store.add(key, 0))
+    time.sleep(0.2)
+    assert int(store.add(key, 0)) == stopped  # no heartbeat after the monitor exited

@@ -32,7 +32,7 @@ monitor = spawn_monitor(
     page, "127.0.0.1", plan["store_port"], plan["call"], plan["rank"], plan["grace_s"],
     world_size=plan.get("initial_world_size"), kill_wait_s=2.0, store_timeout_s=10.0,
     barrier_timeout_s=plan.get("barrier_timeout_s", 10.0), logfile=plan["logfile"], pidfile=plan["pidfile"],
-    log_level="DEBUG", env=dict(os.environ, INPROCESS_MONITOR_REPORT_MODULES="1"),
+    heartbeat_interval_s=plan.get("heartbeat_interval_s", 0.0), log_level="DEBUG", env=dict(os.environ, INPROCESS_MONITOR_REPORT_MODULES="1"),
 )
 print(f"spawned {monitor.pid}", flush=True)
 action = plan["action"]
