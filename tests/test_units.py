@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import inprocess
@@ -323,3 +324,30 @@ def test_event_wakes_waiters_on_both_server_backends(use_libuv):
     t.join(12)
     assert woke and woke[0][0] == RESTART
     assert woke[0][1] - start < 1.0, f"woken after {woke[0][1] - start:.2f}s"
+
+
+def test_single_host_job_on_a_file_store(monkeypatch, tmp_path):
+    """store_factory=inprocess.store.FileStore: the single-host store, no TCP server."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    calls = []
+
+    @inprocess.Wrapper(
+        store_factory=inprocess.store.FileStore,
+        store_kwargs={"file_name": str(tmp_path / "store")},
+        soft_timeout=datetime.timedelta(seconds=5),
+        hard_timeout=datetime.timedelta(seconds=10),
+        barrier_timeout=datetime.timedelta(seconds=20),
+    )
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        calls.append(call_wrapper.iteration)
+        dist.init_process_group("gloo", store=call_wrapper.store, rank=0, world_size=1)
+        dist.all_reduce(torch.ones(2))
+        if call_wrapper.iteration < 2:
+            raise ValueError("fails twice")
+        dist.destroy_process_group()
+        return call_wrapper.iteration
+
+    assert train() == 2
+    assert calls == [0, 1, 2]
+    assert not dist.is_initialized()

@@ -367,7 +367,8 @@ class CallWrapper:
             keys = [list(owner.local_keys(s.initial_rank, s.initial_world_size)) for owner in self._key_owners]
             self._protocol.publish_local_keys(s.initial_rank, keys)  # type: ignore[union-attr]
         decision = self._protocol.barrier(  # type: ignore[union-attr]
-            0, s.initial_rank, s.initial_world_size, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
+            0, s.initial_rank, s.initial_world_size, False, self._decide, _seconds(self._w.timeouts.barrier_timeout),
+            on_arrived=self._mark_arrived,
         )
         assert decision is not None
         self._apply(decision)
@@ -462,7 +463,8 @@ class CallWrapper:
 
         self._set_phase(_Phase.RESTART_BARRIER)
         decision = self._protocol.barrier(  # type: ignore[union-attr]
-            fault_iteration + 1, s.initial_rank, s.world_size, False, self._decide, _seconds(t.barrier_timeout)
+            fault_iteration + 1, s.initial_rank, s.world_size, False, self._decide, _seconds(t.barrier_timeout),
+            on_arrived=self._mark_arrived,
         )
         assert decision is not None
         record.decided_ns = time.monotonic_ns()
@@ -697,6 +699,13 @@ class CallWrapper:
             with _current_lock:
                 if _current is self:
                     _current = None
+
+    def _mark_arrived(self) -> None:
+        """Tells a monitor that this rank counted itself in at the current barrier
+        (so that, if the rank dies now, the monitor does not count it twice)."""
+        hb = self._heartbeat
+        if hb is not None:
+            hb.set_flag(_native.FLAG_ARRIVED_AT_BARRIER, True)
 
     def _set_phase(self, phase: Any) -> None:
         hb = self._heartbeat
