@@ -25,6 +25,8 @@ def run_hang(job, kind):
         assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
         assert log["result"]["iteration"] == 1
         assert log["iterations"][-1]["world_size"] == 4
+        # The watchdog's callback leaves no thread behind (not even a _DummyThread).
+        assert log["final_threads"] == log["threads_before"], log
     restart = res.rank(0)["restarts"][0]
     first_hand = [f for f in restart["faults"] if f["kind"] != "after_restart"]
     # The peers blocked in the collective that waits for rank 1 make no progress

@@ -36,6 +36,7 @@ import inspect
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -267,6 +268,7 @@ class CallWrapper:
         self._membership: Optional[Membership] = None
         self._heartbeat: Optional[_native.HeartbeatPage] = None
         self._watchdog: Optional[_native.Watchdog] = None
+        self._monitor: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
         self._interrupter: Optional[MainThreadInterrupter] = None
         self._trigger: Optional[RestartTrigger] = None
         self._store: Optional[dist.Store] = None
@@ -600,6 +602,7 @@ class CallWrapper:
             self._key_owners = key_gathering_leaves(self._w.rank_assignment)
             self._interrupter = MainThreadInterrupter()
             self._interrupter.install()
+            self._monitor = self._spawn_monitor(call_index)
             self._watchdog = _native.Watchdog(
                 self._heartbeat.fd, int(_seconds(t.progress_watchdog_interval) * 1e9), self._on_soft_timeout
             )
@@ -614,6 +617,37 @@ class CallWrapper:
         except BaseException:
             self._close()
             raise
+
+    def _spawn_monitor(self, call_index: int) -> Optional[subprocess.Popen]:  # type: ignore[type-arg]
+        """The per-rank monitor process: sees this rank's death through a pidfd,
+        enforces hard_timeout, and reports for the rank when it cannot."""
+        store = self._store
+        if not isinstance(store, dist.TCPStore):
+            log.info("no monitor process: it speaks TCPStore only (store is %s)", type(store).__name__)
+            return None
+        from .monitor import spawn_monitor
+
+        t = self._w.timeouts
+        assert self._heartbeat is not None
+        return spawn_monitor(
+            self._heartbeat, store.host, store.port, call_index, self.state.initial_rank,
+            _seconds(t.termination_grace_time),
+            world_size=self.state.initial_world_size,
+            barrier_timeout_s=_seconds(t.barrier_timeout),
+            logfile=self._w.monitor_process_logfile,
+            pidfile=self._w.monitor_process_pidfile,
+        )
+
+    def _stop_monitor(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is None or monitor.poll() is not None:
+            return
+        monitor.terminate()  # a monitor stopped by SIGTERM writes nothing to the store
+        try:
+            monitor.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            monitor.kill()
+            monitor.wait()
 
     def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
         """From the trigger thread: count this rank out of the next barrier."""
@@ -636,11 +670,23 @@ class CallWrapper:
             hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
 
     def _on_soft_timeout(self, event: Any) -> None:
-        """Runs in a thread of its own (the watchdog never waits for the GIL):
-        no progress for soft_timeout restarts the whole job."""
+        """Called on a native thread of the watchdog (which never waits for the
+        GIL). It hands off at once to a Python thread: anything that asks
+        `threading` who is running here (logging does) would register this
+        native thread as a _DummyThread that is never removed."""
+        threading.Thread(
+            target=self._report_soft_timeout, args=(event,), name="inprocess-soft-timeout", daemon=True
+        ).start()
+
+    def _report_soft_timeout(self, event: Any) -> None:
+        """No progress for soft_timeout restarts the whole job."""
         s = self.state
         p = self._protocol
         if p is None or event.iteration != s.iteration or s.mode != Mode.ACTIVE:
+            return
+        if self._interrupter is not None and self._interrupter.fired:
+            # A restart is already under way and this rank has not come back from
+            # it: the abort's release path (then exit code 75) owns the case.
             return
         since = (event.detected_ns - event.last_progress_ns) / 1e9
         clock = "manual (ping)" if event.manual else "automatic"
@@ -668,6 +714,7 @@ class CallWrapper:
     def _close(self) -> None:
         global _current
         try:
+            self._stop_monitor()
             if self._watchdog is not None:
                 self._watchdog.stop(1_000_000_000)
             if self._trigger is not None:

@@ -49,6 +49,19 @@ def inject(kind):
         raise inprocess.RestartAbort("injected")
     if kind == "hang":
         time.sleep(3600)
+    if kind == "sigkill":
+        os.kill(os.getpid(), 9)
+    if kind == "os_exit":
+        os._exit(1)
+    if kind == "segfault":
+        import ctypes
+
+        ctypes.string_at(0)
+    if kind == "gil_hang":
+        # Native code that never releases the GIL: only the hard timeout can help.
+        from inprocess import _native
+
+        _native.testing.spin_holding_gil(3600)
     if kind == "livelock":
         # Keeps running Python (automatic progress goes on) but stops pinging.
         deadline = time.monotonic() + 3600

@@ -7,12 +7,14 @@ EnvKey at the initial barrier, as a real job would read SLURM_NODEID.
 Configured by environment variables (the test sets them):
   INPROCESS_TEST_OUT     directory for this rank's JSON result
   INPROCESS_TEST_LEAVER  initial rank that leaves with sys.exit(3) in iteration 0
+  INPROCESS_TEST_LEAVE_BY  "exit" (default) or "sigkill": how it leaves
 """
 
 import datetime
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -70,6 +72,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     for step in range(STEPS):
         call_wrapper.ping()
         if it == 0 and step == 1 and INITIAL_RANK == LEAVER:
+            if os.environ.get("INPROCESS_TEST_LEAVE_BY") == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)  # seen by this rank's monitor process
             sys.exit(3)
         t = torch.tensor([float(state.active_rank + 1)])
         dist.all_reduce(t)

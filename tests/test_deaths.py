@@ -1,0 +1,28 @@
+"""Ranks that die without raising, seen by their monitor process, on a real 4-rank job:
+SIGKILL, os._exit, a segfault, and a hang holding the GIL (killed at the hard timeout).
+The dead rank is excluded and the other three finish with world size 3."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUTS = {"soft_timeout": 2, "hard_timeout": 4, "progress_watchdog_interval": 0.2, "barrier_timeout": 30}
+
+
+@pytest.mark.parametrize("kind, fault_kind", [
+    ("sigkill", "killed"), ("os_exit", "exited"), ("segfault", "killed"), ("gil_hang", "hard_timeout"),
+])
+def test_dead_rank_is_excluded_and_the_others_finish(job, kind, fault_kind):
+    plan = {"steps": 8, "faults": [{"iteration": 0, "rank": 2, "step": 3, "kind": kind}], "wrapper": dict(TIMEOUTS)}
+    res = job(plan, timeout=90)
+    assert res.returncodes[2] != 0 and res.logs[2] is None  # it died: no result written
+    for r in (0, 1, 3):
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == 1
+        assert log["iterations"][-1]["world_size"] == 3
+    restart = res.rank(0)["restarts"][0]
+    assert restart["terminated"] == [2], restart
+    assert any(f["rank"] == 2 and f["kind"] == fault_kind for f in restart["faults"]), restart
