@@ -1,5 +1,6 @@
 """Ranks that die without raising, seen by their monitor process, on a real 4-rank job:
-SIGKILL, os._exit, a segfault, and a hang holding the GIL (killed at the hard timeout).
+SIGKILL, os._exit, a segfault, a hang holding the GIL and a SIGSTOP (both killed at the
+hard timeout: SIGCONT + SIGTERM, then SIGKILL after the grace).
 The dead rank is excluded and the other three finish with world size 3."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ TIMEOUTS = {"soft_timeout": 2, "hard_timeout": 4, "progress_watchdog_interval": 
 
 @pytest.mark.parametrize("kind, fault_kind", [
     ("sigkill", "killed"), ("os_exit", "exited"), ("segfault", "killed"), ("gil_hang", "hard_timeout"),
+    ("sigstop", "hard_timeout"),
 ])
 def test_dead_rank_is_excluded_and_the_others_finish(job, kind, fault_kind):
     plan = {"steps": 8, "faults": [{"iteration": 0, "rank": 2, "step": 3, "kind": kind}], "wrapper": dict(TIMEOUTS)}

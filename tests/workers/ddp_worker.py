@@ -51,6 +51,8 @@ def inject(kind):
         time.sleep(3600)
     if kind == "sigkill":
         os.kill(os.getpid(), 9)
+    if kind == "sigstop":
+        os.kill(os.getpid(), 19)  # SIGSTOP: frozen, neither dead nor progressing
     if kind == "os_exit":
         os._exit(1)
     if kind == "segfault":
