@@ -78,9 +78,11 @@ def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = Non
             why = "; ".join(f"rank {f.rank}: {f.type}: {f.message}" for f in first_hand) or "no fault recorded"
             print(f"[demo] restart {n}: iteration {r.iteration} failed ({why}); "
                   f"restarted in {r.duration_s * 1e3:.0f} ms", flush=True)
-    # A process group per iteration, on the store the engine scopes to it.
+    # A process group per iteration, on the store the engine scopes to it. Its
+    # timeout is short: it bounds the rare gloo collective that a restart cannot
+    # release (README, "Gloo timeout").
     dist.init_process_group("gloo", store=call_wrapper.store, rank=me.active_rank,
-                            world_size=me.active_world_size, timeout=datetime.timedelta(seconds=30))
+                            world_size=me.active_world_size, timeout=datetime.timedelta(seconds=5))
     agreed = torch.tensor([state.step])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     state.roll_back_to(int(agreed))

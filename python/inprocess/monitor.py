@@ -505,4 +505,11 @@ def spawn_monitor(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is closed and flushed by now. A thread may still be blocked in
+    # the native guard's wait_event: interpreter finalization would destroy the
+    # guard under it (and abort in a std::thread destructor, seen on SIGTERM),
+    # so the monitor leaves without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

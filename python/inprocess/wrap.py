@@ -636,6 +636,8 @@ class CallWrapper:
             barrier_timeout_s=_seconds(t.barrier_timeout),
             logfile=self._w.monitor_process_logfile,
             pidfile=self._w.monitor_process_pidfile,
+            # Without a log file the monitor shares the rank's stderr: warnings only.
+            log_level="INFO" if self._w.monitor_process_logfile else "WARNING",
         )
 
     def _stop_monitor(self) -> None:
