@@ -209,6 +209,13 @@ def test_wait_times_out_with_the_engines_timeout_error(tcp_store):
 
 # -- the wrapper, without processes ---------------------------------------------
 
+# Short, and ordered as Wrapper requires (hard + grace < barrier).
+SINGLE_RANK_TIMEOUTS = dict(
+    soft_timeout=datetime.timedelta(seconds=5),
+    hard_timeout=datetime.timedelta(seconds=10),
+    barrier_timeout=datetime.timedelta(seconds=20),
+)
+
 
 def test_disabled_wrapper_returns_the_function_untouched():
     def f(x):
@@ -256,9 +263,7 @@ def test_single_rank_job_runs_with_current_call(monkeypatch):
     calls = []
 
     @inprocess.Wrapper(
-        soft_timeout=datetime.timedelta(seconds=5),
-        hard_timeout=datetime.timedelta(seconds=10),
-        barrier_timeout=datetime.timedelta(seconds=20),
+        **SINGLE_RANK_TIMEOUTS,
     )
     def train(*args, **kwargs):
         cw = inprocess.current_call()
@@ -335,9 +340,7 @@ def test_single_host_job_on_a_file_store(monkeypatch, tmp_path):
     @inprocess.Wrapper(
         store_factory=inprocess.store.FileStore,
         store_kwargs={"file_name": str(tmp_path / "store")},
-        soft_timeout=datetime.timedelta(seconds=5),
-        hard_timeout=datetime.timedelta(seconds=10),
-        barrier_timeout=datetime.timedelta(seconds=20),
+        **SINGLE_RANK_TIMEOUTS,
     )
     def train(call_wrapper: inprocess.CallWrapper = None):
         calls.append(call_wrapper.iteration)

@@ -61,7 +61,7 @@ MAX_MESSAGE = 300
 # chunk; the fault itself wakes the waiter at once, whatever the chunk.
 WAIT_CHUNK_S = 300.0
 
-_HOST = socket.gethostname()
+HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningful
 log = logging.getLogger("inprocess")
 
 
@@ -74,12 +74,12 @@ class FaultRecord:
     kind: str  # "exception", "terminated", "health_check", "killed", ...
     type: str
     message: str
-    host: str = _HOST
+    host: str = HOST
     t_ns: int = 0  # CLOCK_MONOTONIC of the host above
 
     @classmethod
     def from_exception(cls, rank: int, iteration: int, kind: str, exc: BaseException) -> "FaultRecord":
-        return cls(rank, iteration, kind, type(exc).__name__, str(exc)[:MAX_MESSAGE], _HOST, time.monotonic_ns())
+        return cls(rank, iteration, kind, type(exc).__name__, str(exc)[:MAX_MESSAGE], HOST, time.monotonic_ns())
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -104,7 +104,7 @@ class Decision:
     leader: int
     abort: Optional[str] = None  # set when the job cannot go on
     t_ns: int = 0
-    host: str = _HOST
+    host: str = HOST
     assignment_ns: int = 0  # how long the rank assignment took on the leader
 
     def to_json(self) -> str:

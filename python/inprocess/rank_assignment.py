@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from .compose import Compose, leaves
 from .exception import RankDiscarded
-from .membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from .membership import ACTIVE, NONE, TERMINATED, Membership
 
 __all__ = [
     "RankAssignment",

@@ -57,7 +57,6 @@ from . import protocol
 from .protocol import COMPLETE, Decision, FaultRecord, RestartProtocol
 from .rank_assignment import (
     ActivateAllRanks,
-    RankAssignment,
     ShiftRanks,
     Topology,
     check_rank_assignment,
@@ -472,7 +471,7 @@ class CallWrapper:
         record.decided_ns = time.monotonic_ns()
         record.faults, record.n_faults, record.terminated = decision.faults, decision.n_faults, decision.terminated
         record.assignment_ns = decision.assignment_ns
-        here = [f.t_ns for f in decision.faults if f.host == _HOSTNAME and f.t_ns]
+        here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
         self.restarts.append(record)
         self._apply(decision)
@@ -777,9 +776,6 @@ class CallWrapper:
                     client.delete_key(key)
         except Exception as e:
             log.debug("could not delete keys of iteration %d: %s", iteration, e)
-
-
-_HOSTNAME = __import__("socket").gethostname()
 
 
 def _drop_frames(exc: BaseException) -> None:
