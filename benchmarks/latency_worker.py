@@ -1,15 +1,28 @@
-"""One rank of the restart-latency workload (see restart_latency.py).
+"""One rank of the restart-latency workload (see restart_latency.py and fault_latency.py).
 
-MODE=inprocess: wrapped in inprocess.Wrapper; rank FAULT_RANK raises at step
-FAULT_STEP of iterations 0..FAULTS-1. MODE=torchrun: plain script restarted by
-torchrun; it raises at FAULT_STEP while TORCHELASTIC_RESTART_COUNT < FAULTS.
+MODE=inprocess: wrapped in inprocess.Wrapper; rank FAULT_RANK injects a fault
+of FAULT_KIND at step FAULT_STEP of iterations 0..FAULTS-1. MODE=torchrun:
+plain script restarted by torchrun; it raises at FAULT_STEP while
+TORCHELASTIC_RESTART_COUNT < FAULTS.
 Every rank appends JSON lines to OUT/rank<initial rank>.jsonl: the fault time
 and the time each iteration's first training step starts (CLOCK_MONOTONIC,
 comparable between processes of this host).
+
+FAULT_KIND (default exception): exception (raise RuntimeError), sigkill (the
+rank SIGKILLs itself), exit (os._exit(1)), hang (time.sleep forever, GIL
+released), gil_hang (native spin holding the GIL). The fault is stamped just
+before the rank raises, dies or hangs.
+WRAPPER_TIMEOUTS: JSON {keyword: seconds} for inprocess.Wrapper's timedelta
+keywords (default: soft 30 s, hard 60 s, barrier 90 s). PING=1: call
+call_wrapper.ping() at every step (manual progress). UNGUARDED_INIT=1: build
+the process group and DDP inside call_wrapper.disable_hang_protection(), so
+that a slow rendezvous on a loaded machine is not taken for a hang by a short
+soft_timeout (the training steps stay guarded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -25,6 +38,9 @@ FAULTS = int(os.environ.get("FAULTS", "5"))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "2"))
 FAULT_STEP = int(os.environ.get("FAULT_STEP", "5"))
 STEPS = int(os.environ.get("STEPS", "10"))
+FAULT_KIND = os.environ.get("FAULT_KIND", "exception")
+PING = os.environ.get("PING", "0") == "1"
+UNGUARDED_INIT = os.environ.get("UNGUARDED_INIT", "0") == "1"
 RANK = int(os.environ["RANK"])
 if os.environ.get("INPROCESS_TEST_LOG"):
     import logging
@@ -37,33 +53,54 @@ def record(**kv: object) -> None:
         f.write(json.dumps(kv) + "\n")
 
 
-def train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None) -> float:
+def inject(iteration: int) -> None:
+    """The fault, stamped just before it happens (the stamp reaches the file first)."""
+    record(event="fault", iteration=iteration, kind=FAULT_KIND, t_ns=time.monotonic_ns())
+    if FAULT_KIND == "exception":
+        raise RuntimeError(f"benchmark fault {iteration}")
+    if FAULT_KIND == "sigkill":
+        os.kill(os.getpid(), 9)
+    if FAULT_KIND == "exit":
+        os._exit(1)
+    if FAULT_KIND == "hang":
+        time.sleep(3600)  # GIL released; the soft timeout interrupts it
+    if FAULT_KIND == "gil_hang":
+        from inprocess import _native
+
+        _native.testing.spin_holding_gil(3600)  # only the monitor's hard timeout ends it
+    raise ValueError(f"unknown FAULT_KIND={FAULT_KIND!r}")
+
+
+def train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None, ping=None,
+                unguarded=contextlib.nullcontext) -> float:
     try:
-        return _train_steps(iteration, rank, world_size, store)
+        return _train_steps(iteration, rank, world_size, store, ping, unguarded)
     except BaseException as e:
         record(event="left", iteration=iteration, t_ns=time.monotonic_ns(), why=f"{type(e).__name__}: {e}"[:200])
         raise
 
 
-def _train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None) -> float:
+def _train_steps(iteration: int, rank: int, world_size: int, store: dist.Store | None, ping, unguarded) -> float:
     t_init = time.monotonic_ns()
     record(event="start", iteration=iteration, t_ns=t_init)
-    if store is None:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
-    else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=30))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    with unguarded():
+        if store is None:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=30))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     loss = torch.zeros(())
     for step in range(STEPS):
         if step == 0:
             record(event="first_step", iteration=iteration, t_ns=time.monotonic_ns(), init_ns=t_init)
+        if ping is not None:
+            ping()
         if step == FAULT_STEP and RANK == FAULT_RANK and iteration < FAULTS:
-            record(event="fault", iteration=iteration, t_ns=time.monotonic_ns())
-            raise RuntimeError(f"benchmark fault {iteration}")
+            inject(iteration)
         x = torch.randn(32, 64)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
@@ -76,20 +113,23 @@ def _train_steps(iteration: int, rank: int, world_size: int, store: dist.Store |
 def main_inprocess() -> None:
     import inprocess
 
-    @inprocess.Wrapper(
-        soft_timeout=datetime.timedelta(seconds=30),
-        hard_timeout=datetime.timedelta(seconds=60),
-        barrier_timeout=datetime.timedelta(seconds=90),
-    )
+    timeouts = {"soft_timeout": 30, "hard_timeout": 60, "barrier_timeout": 90}
+    timeouts.update(json.loads(os.environ.get("WRAPPER_TIMEOUTS", "{}")))
+
+    @inprocess.Wrapper(**{k: datetime.timedelta(seconds=v) for k, v in timeouts.items()})
     def train(call_wrapper: inprocess.CallWrapper = None) -> float:
         if call_wrapper.restarts:
             # The engine's own timestamps of the restart that led here, for the breakdown.
             r = call_wrapper.restarts[-1]
             record(event="restart", iteration=r.iteration, fault_ns=r.fault_ns, detected_ns=r.detected_ns,
                    aborted_ns=r.aborted_ns, finalized_ns=r.finalized_ns, health_checked_ns=r.health_checked_ns,
-                   decided_ns=r.decided_ns, initialized_ns=r.initialized_ns, assignment_ns=r.assignment_ns)
+                   decided_ns=r.decided_ns, initialized_ns=r.initialized_ns, assignment_ns=r.assignment_ns,
+                   terminated=list(r.terminated),
+                   faults=[{"rank": f.rank, "kind": f.kind, "type": f.type, "t_ns": f.t_ns} for f in r.faults])
         st = call_wrapper.frozen_state
-        return train_steps(call_wrapper.iteration, st.active_rank, st.active_world_size, call_wrapper.store)
+        return train_steps(call_wrapper.iteration, st.active_rank, st.active_world_size, call_wrapper.store,
+                           call_wrapper.ping if PING else None,
+                           call_wrapper.disable_hang_protection if UNGUARDED_INIT else contextlib.nullcontext)
 
     train()
 
