@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import time
 from typing import Any, Optional
 
 import pytest
@@ -49,9 +50,39 @@ def run_job(
         "INPROCESS_TEST_LOG": os.environ.get("INPROCESS_TEST_LOG", "INFO"),
     }
     job_env.update(env or {})
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     with LocalJob([str(WORKERS / worker)], world_size, env=job_env) as job:
         job.wait(timeout)
+        # Every rank has exited: what they started (monitors, the store host)
+        # must go by itself, before the harness kills the process groups.
+        left = leftover_processes({rp.popen.pid for rp in job.ranks}, grace=10.0)
+        assert not left, f"processes of the job still running after every rank exited: {left}\n{job.outputs()[-5000:]}"
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not (shm_after - shm_before), f"shared memory left in /dev/shm: {sorted(shm_after - shm_before)}"
     return JobResult(job, out)
+
+
+def leftover_processes(pgids: set[int], grace: float) -> list[str]:
+    """Live (non-zombie) processes in the given process groups, after waiting up to ``grace`` s."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    raw = f.read()
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            fields = raw[raw.rfind(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[2]) in pgids:
+                found.append(f"pid {name}: {cmd}")
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -28,3 +28,32 @@ def test_dead_rank_is_excluded_and_the_others_finish(job, kind, fault_kind):
     restart = res.rank(0)["restarts"][0]
     assert restart["terminated"] == [2], restart
     assert any(f["rank"] == 2 and f["kind"] == fault_kind for f in restart["faults"]), restart
+
+
+RANK0_KILLED = {"steps": 8, "faults": [{"iteration": 0, "rank": 0, "step": 3, "kind": "sigkill"}]}
+
+
+def test_sigkill_of_rank0_leaves_the_store_serving_the_others(job):
+    """Rank 0 started the store host: its death must not take the store (nor the
+    others' process group, whose rendezvous ran on CallWrapper.store) with it."""
+    res = job(dict(RANK0_KILLED, wrapper=dict(TIMEOUTS)), timeout=90)
+    assert res.returncodes[0] == -9 and res.logs[0] is None
+    for r in (1, 2, 3):
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == 1
+        assert log["iterations"][-1]["world_size"] == 3
+    restart = res.rank(1)["restarts"][0]
+    assert restart["terminated"] == [0], restart
+    assert any(f["rank"] == 0 and f["kind"] == "killed" for f in restart["faults"]), restart
+    # The new rank 0 is initial rank 1: ranks were shifted down.
+    assert res.rank(1)["iterations"][-1]["rank"] == 0
+
+
+def test_with_the_server_inside_rank0_its_sigkill_ends_the_job(job):
+    """The control for the test above: host_process=False puts the server back
+    into rank 0's process, and the same SIGKILL leaves nobody finishing."""
+    wrapper = dict(TIMEOUTS, barrier_timeout=20, completion_timeout=20, store_kwargs={"host_process": False})
+    res = job(dict(RANK0_KILLED, wrapper=wrapper), timeout=90)
+    assert res.returncodes[0] == -9
+    assert all(res.returncodes[r] != 0 for r in (1, 2, 3)), res.returncodes

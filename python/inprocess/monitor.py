@@ -69,7 +69,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from . import _native
-from .protocol import FaultRecord, RestartProtocol
+from .protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from .state import Mode
 
 EXIT_OK = 0
@@ -132,11 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="written with the monitor's pid once it watches the rank; removed on every exit")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
-
-
-def monitor_heartbeat_key(call: int, rank: int) -> str:
-    """The counter a monitor adds 1 to every ``--heartbeat-interval-s``."""
-    return f"inprocess/{call}/monitors/{rank}"
 
 
 # -- the rank's process, seen from outside -------------------------------------

@@ -65,6 +65,16 @@ HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningf
 log = logging.getLogger("inprocess")
 
 
+def done_key(call: int) -> str:
+    """Set when the last rank left call ``call``; the store host exits on it."""
+    return f"inprocess/{call}/done"
+
+
+def monitor_heartbeat_key(call: int, rank: int) -> str:
+    """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
+    return f"inprocess/{call}/monitors/{rank}"
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultRecord:
     """What one rank reports about a fault it saw (plain data, no pickle)."""

@@ -4,11 +4,15 @@
 extra client connections with :func:`clone` (its restart trigger blocks on
 one, the wrapped function's own rendezvous uses another).
 
-Where the TCPStore server lives: in the process of rank
-``tcp_store_host_rank`` (default 0), which keeps it until every rank has left
-the wrapper. Under torchrun with its shared agent store
+Where the TCPStore server lives: rank ``tcp_store_host_rank`` (default 0)
+starts it in a process of its own (:mod:`inprocess.store_host`) and connects
+to it like every other rank, so that a SIGKILL of that rank's training process
+leaves the server, and the job, running. The store host exits once the last
+rank left the wrapped call. Under torchrun with its shared agent store
 (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the server
-in the torchrun agent, which outlives any one training process.
+in the torchrun agent, which outlives the training processes already: no
+store host is started. ``host_process=False`` keeps the server inside the
+host rank's process (it then dies with it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from . import sockets
+from .store_host import StoreHostProcess, spawn_store_host
 
 
 def _env_int(name: str) -> int:
@@ -36,7 +41,10 @@ class TCPStore(dist.TCPStore):
     """torch's TCPStore, configured from the environment like torch.distributed.
 
     ``host_name``/``port``/``world_size`` default to MASTER_ADDR, MASTER_PORT
-    and WORLD_SIZE. Rank ``tcp_store_host_rank`` hosts the server.
+    and WORLD_SIZE. Rank ``tcp_store_host_rank`` starts the server: in a store
+    host process (``host_process=True``, the default) or in its own process.
+    ``host_idle_timeout_s``: once the host rank is gone, the store host also
+    exits after this long without any monitor heartbeat (the job is gone).
     """
 
     TCP_STORE_HOST_RANK = 0
@@ -51,6 +59,8 @@ class TCPStore(dist.TCPStore):
         multi_tenant: bool = False,
         use_libuv: bool = True,
         tcp_store_host_rank: Optional[int] = None,
+        host_process: bool = True,
+        host_idle_timeout_s: float = 60.0,
     ):
         if host_name is None:
             host_name = os.environ.get("MASTER_ADDR")
@@ -64,16 +74,29 @@ class TCPStore(dist.TCPStore):
         self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
-        super().__init__(
-            host_name,
-            port,
-            world_size,
-            self.is_host,
-            timeout,
-            wait_for_workers=wait_for_workers,
-            multi_tenant=multi_tenant,
-            use_libuv=use_libuv,
-        )
+        self.host_process: Optional[StoreHostProcess] = None
+        serve_here = self.is_host
+        if self.is_host and host_process:
+            self.host_process = spawn_store_host(
+                port, world_size, idle_timeout_s=host_idle_timeout_s, use_libuv=use_libuv,
+                start_timeout_s=timeout.total_seconds(),
+            )
+            port, serve_here = self.host_process.port, False
+        try:
+            super().__init__(
+                host_name,
+                port,
+                world_size,
+                serve_here,
+                timeout,
+                wait_for_workers=wait_for_workers,
+                multi_tenant=multi_tenant,
+                use_libuv=use_libuv,
+            )
+        except BaseException:
+            if self.host_process is not None:
+                self.host_process.stop()
+            raise
 
 
 class FileStore(dist.FileStore):
@@ -115,4 +138,9 @@ def tracked_clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) 
 
 
 def is_host(store: Any) -> bool:
-    return bool(getattr(store, "is_host", False))
+    """This rank's process holds the server (it must outlive the other ranks' use of it)."""
+    return bool(getattr(store, "is_host", False)) and host_process(store) is None
+
+
+def host_process(store: Any) -> Optional[StoreHostProcess]:
+    return getattr(store, "host_process", None)

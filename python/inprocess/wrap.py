@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from . import _native, pg_tracker, sockets
 from . import store as store_mod
+from . import store_host
 from .abort import AbortTorchDistributed
 from .compose import Compose
 from .config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
@@ -594,6 +595,9 @@ class CallWrapper:
             pg_tracker.install()
             self._store = self._w.store_factory(**self._w.store_kwargs)
             self._is_store_host = store_mod.is_host(self._store)
+            if store_mod.host_process(self._store) is not None:
+                # The store host exits when this call is done: tell it which call that is.
+                self._store.set(store_host.CALL_KEY, str(call_index))
             self._protocol = RestartProtocol(self._store, call_index)
             trigger_protocol = RestartProtocol(
                 store_mod.clone(self._store, self._w.store_factory, self._w.store_kwargs), call_index
@@ -633,6 +637,7 @@ class CallWrapper:
             _seconds(t.termination_grace_time),
             world_size=self.state.initial_world_size,
             barrier_timeout_s=_seconds(t.barrier_timeout),
+            store_timeout_s=_seconds(t.barrier_timeout),
             logfile=self._w.monitor_process_logfile,
             pidfile=self._w.monitor_process_pidfile,
             # Without a log file the monitor shares the rank's stderr: warnings only.
@@ -722,6 +727,13 @@ class CallWrapper:
                 self._trigger.stop()
             pg_tracker.release_groups()
             sys.excepthook = self._saved_excepthook
+            host = store_mod.host_process(self._store)
+            if host is not None and self.state.mode != Mode.TERMINATED:
+                # The store host exits once the last rank left; a terminated rank
+                # leaves at once (the host outlives it, that is its purpose).
+                if not host.wait_exit(_seconds(self._w.timeouts.completion_timeout)):
+                    log.warning("store host (pid %d): the other ranks did not all leave within "
+                                "completion_timeout; it stays until they do", host.pid)
             if self._is_store_host and self._protocol is not None:
                 # The server lives in this process: keep it until every rank left.
                 # A terminated host waits for the rest of the job, however long.

@@ -136,6 +136,11 @@ kwargs = dict(
     monitor_thread_interval=td(wrapper_spec.get("progress_watchdog_interval", 1)),
 )
 kwargs.update(make_hooks(wrapper_spec))
+if wrapper_spec.get("store_kwargs") is not None:
+    kwargs["store_kwargs"] = wrapper_spec["store_kwargs"]
+for name in ("heartbeat_interval", "heartbeat_timeout"):
+    if wrapper_spec.get(name) is not None:
+        kwargs[name] = td(wrapper_spec[name])
 if wrapper_spec.get("max_iterations") is not None:
     kwargs["initialize"] = inprocess.initialize.RetryController(max_iterations=wrapper_spec["max_iterations"])
 if wrapper_spec.get("max_rank_faults") is not None:
