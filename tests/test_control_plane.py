@@ -181,6 +181,8 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
     store = MemoryStore()
     assignment = Compose(ActivateAllRanks(), ShiftRanks())
     initial = Membership.all_active(n)
+    for r in range(n):  # as barrier 0 left them: every rank counted in at barrier 0
+        store.set(RestartProtocol(store).seat_key(r), "0")
     views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
     protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
     decisions: dict[int, Optional[Decision]] = {}

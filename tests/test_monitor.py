@@ -134,6 +134,8 @@ def rank_run(tmp_path: pathlib.Path, store: Any) -> Iterator[Any]:
     _set_subreaper(True)
 
     def start(**plan: Any) -> RankRun:
+        if plan.get("phase", "RUNNING") == "RUNNING":
+            _in_iteration(store, rank=plan.get("rank", 1), iteration=plan.get("iteration", 2))
         run = RankRun(tmp_path, store.port, **plan)
         runs.append(run)
         return run
@@ -150,6 +152,17 @@ def rank_run(tmp_path: pathlib.Path, store: Any) -> Iterator[Any]:
         assert run.monitor_pid is None or not os.path.exists(f"/proc/{run.monitor_pid}"), "a monitor remains"
         assert not run.pidfile.exists(), "the monitor left its pidfile"
     assert _shm() <= shm_before, f"left in /dev/shm: {sorted(_shm() - shm_before)}"
+
+
+def _in_iteration(store: Any, rank: int, iteration: int, world_size: int = 4) -> None:
+    """The store as the rank left it running ``iteration``: its seat at barrier
+    ``iteration``, and that barrier's decision (everyone active)."""
+    from inprocess.membership import Membership
+    from inprocess.protocol import Decision
+
+    p = RestartProtocol(store, 0)
+    store.set(p.seat_key(rank), str(iteration))
+    p.publish_decision(Decision(iteration, Membership.all_active(world_size), [], [], 0, leader=0))
 
 
 def _faults(store: Any, iteration: int) -> list[Any]:
@@ -272,14 +285,17 @@ def test_sigterm_stops_the_monitor_without_touching_the_store(rank_run: Any, sto
 
 
 @pytest.mark.timeout(60)
-def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> None:
+@pytest.mark.parametrize("flags", [["FLAG_ARRIVED_AT_BARRIER"], []], ids=["flagged", "died-before-the-flag"])
+def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any, flags: list[str]) -> None:
     """Died after counting itself in at barrier 3: the monitor waits for the
-    decision, reports a fault in iteration 3 and arrives at barrier 4."""
+    decision, reports a fault in iteration 3 and arrives at barrier 4. Its seat
+    says so even when the rank died before marking its page (the old race)."""
     from inprocess.membership import Membership
     from inprocess.protocol import Decision
 
     p = RestartProtocol(store, 0)
-    run = rank_run(phase="RESTART_BARRIER", flags=["FLAG_ARRIVED_AT_BARRIER"])
+    store.set(p.seat_key(1), "3")  # counted itself in at barrier 3
+    run = rank_run(phase="RESTART_BARRIER", flags=flags)
     run.ready()
     os.kill(run.proc.pid, signal.SIGKILL)
     membership = Membership.all_active(4)

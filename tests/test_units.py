@@ -182,6 +182,8 @@ def test_concurrent_faults_are_all_in_the_one_decision(tcp_store):
     read by the leader and published together, whatever their order."""
     n = 6
     clients = [RestartProtocol(tcp_store.clone(), call=3) for _ in range(n)]
+    for r in range(n):  # as barrier 0 left them: every rank counted in there
+        clients[r].take_seat(0, r, False)
     for r in (4, 1, 2):  # three ranks fail in iteration 0, in this order
         clients[r].report_fault(FaultRecord(r, 0, "exception", "RuntimeError", f"fault {r}"))
     out = [None] * n

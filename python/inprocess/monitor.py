@@ -18,34 +18,15 @@ protocol is :mod:`inprocess.protocol`. It connects to the store only when it
 has something to write (or to heartbeat), so a job whose ranks never fail
 costs the store no connection per rank.
 
-What the monitor does with a dead rank, from the heartbeat page as the rank
-left it (``iteration``, ``phase``, ``world_size``, ``flags``):
-
-============================================  ===================================
-page                                          monitor
-============================================  ===================================
-phase DONE or TERMINATED                      nothing: the rank left the wrapper
-                                              itself (and told the store)
-flag ARRIVED_AT_BARRIER (the rank counted      waits for that barrier's decision;
-itself in at barrier b: b = 0 before its       if the rank is in it: records a
-first decision, i.e. world_size 0, else        fault for iteration b and arrives
-iteration + 1)                                 at barrier b + 1 (expected = the
-                                              decision's world size)
-world_size 0 (no decision applied yet:         arrives at barrier 0 (expected =
-STARTING, INITIAL_BARRIER)                     ``--world-size``, if given)
-any other phase                               records a fault for ``iteration``,
-                                              arrives at barrier iteration + 1
-                                              (expected = world_size); if the
-                                              iteration had completed instead,
-                                              leaves on the rank's behalf
-============================================  ===================================
-
-Remaining race: the rank's arrival at a barrier is one ``add``; the engine is
-meant to set FLAG_ARRIVED_AT_BARRIER right after it returns. A rank that dies
-between the two is counted twice (the monitor's arrival is then rejected by
-the count check of the others, or completes the barrier early). Closing it
-needs a per-rank claim in the protocol (compare_set of ``<b>/arrived/<rank>``
-by the rank and by its monitor, the winner does the ``add``).
+What the monitor does with a dead rank: nothing if its page says it had left
+the wrapper (phase DONE or TERMINATED: it told the store itself). Otherwise it
+counts the rank out at the first barrier the rank was not counted at (its
+seat in the store says which: see :mod:`inprocess.protocol`): it records the
+fault for the iteration before that barrier, requests the restart, and arrives
+there as terminated for the rank (expected = that barrier's membership size,
+read from the previous decision). The seat's compare_set makes the count exact
+even when the rank died in the middle of its own arrival. If that iteration had
+completed instead, the monitor leaves the job for the rank.
 
 Exit codes: 0 the rank exited and everything needed was recorded (or nothing
 was needed), or the monitor was told to stop (SIGTERM/SIGHUP); 2 bad
@@ -347,8 +328,7 @@ class Monitor:
         if snap is None:
             log.error("no heartbeat page: cannot tell where rank %d died", self.rank)
             return EXIT_INTERNAL
-        phase, iteration, world_size = snap.phase, snap.iteration, snap.world_size
-        arrived = bool(snap.flags & _native.FLAG_ARRIVED_AT_BARRIER)
+        phase, iteration = snap.phase, snap.iteration
         if cause is None:
             kind, type_ = _describe_status(_zombie_status(self.pid, self._start_time))
             message = f"rank process {self.pid} died"
@@ -361,49 +341,35 @@ class Monitor:
             return EXIT_OK
         log.warning("rank %d: %s (%s, %s)", self.rank, message, kind, type_)
         try:
-            if arrived:
-                barrier = 0 if world_size == 0 else iteration + 1
-                self._after_own_arrival(barrier, kind, type_, message)
-            elif world_size == 0:
-                self._before_first_decision(message)
-            else:
-                self._in_iteration(iteration, world_size, kind, type_, message)
+            self.count_out(self.rank, kind, type_, message)
         except Exception as e:
             log.error("rank %d: could not update the store: %s: %s", self.rank, type(e).__name__, e)
             return EXIT_STORE
         return EXIT_OK
 
-    def _record(self, iteration: int, kind: str, type_: str, message: str) -> bool:
-        record = FaultRecord(self.rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
-        return self.protocol.report_fault(record)
+    def count_out(self, rank: int, kind: str, type_: str, message: str) -> Optional[int]:
+        """Count ``rank`` out at the first barrier it has not been counted at
+        (its seat says which), recording the fault and requesting the restart."""
 
-    def _arrive_for_rank(self, barrier: int, expected: int) -> None:
-        self.protocol.barrier(barrier, self.rank, expected, True, None, self.args.barrier_timeout_s)
-        log.info("arrived at barrier %d as terminated for rank %d (expected %d)", barrier, self.rank, expected)
+        def fault(iteration: int) -> FaultRecord:
+            return FaultRecord(rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
 
-    def _in_iteration(self, iteration: int, world_size: int, kind: str, type_: str, message: str) -> None:
-        if self._record(iteration, kind, type_, message):
-            self._arrive_for_rank(iteration + 1, world_size)
+        def expected_at(barrier: int) -> Optional[int]:
+            if barrier == 0:
+                if self.args.world_size is None:
+                    raise RuntimeError(f"rank {rank} died before the initial barrier and --world-size was not given")
+                return int(self.args.world_size)
+            decision = self.protocol.wait_decision(barrier - 1, self.args.barrier_timeout_s)
+            if decision.abort is not None or decision.membership.mode[rank] == Mode.TERMINATED:
+                return None
+            return decision.membership.world_size
+
+        barrier = self.protocol.count_out(rank, fault, expected_at, self.args.barrier_timeout_s)
+        if barrier is None:
+            log.info("rank %d needed no counting out (counted already, not a member, or the job completed)", rank)
         else:
-            # The iteration had completed: the rank would have left; leave for it.
-            log.info("iteration %d had completed: rank %d leaves through its monitor", iteration, self.rank)
-            self.protocol.leave(iteration, world_size)
-
-    def _before_first_decision(self, message: str) -> None:
-        if self.args.world_size is None:
-            log.error("rank %d died before the initial barrier (%s) and --world-size was not given: "
-                      "the others will wait for it until their barrier timeout", self.rank, message)
-            raise RuntimeError("cannot arrive at barrier 0 without --world-size")
-        self._arrive_for_rank(0, self.args.world_size)
-
-    def _after_own_arrival(self, barrier: int, kind: str, type_: str, message: str) -> None:
-        """The rank counted itself in at ``barrier`` and died before applying its decision."""
-        decision = self.protocol.wait_decision(barrier, self.args.barrier_timeout_s)
-        membership = decision.membership
-        if decision.abort is not None or membership.mode[self.rank] == Mode.TERMINATED:
-            log.info("barrier %d left rank %d out (or ended the job): nothing to do", barrier, self.rank)
-            return
-        self._in_iteration(barrier, membership.world_size, kind, type_, message + f" (after barrier {barrier})")
+            log.info("counted rank %d out at barrier %d", rank, barrier)
+        return barrier
 
 
 # -- entry points ---------------------------------------------------------------

@@ -19,9 +19,19 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
 ``<i>/terminated``     "r," per terminated initial rank (append)
 ``<i>/decision``       the membership of iteration i (JSON, written once)
 ``<i>/left``           counter of ranks that left after completion
+``seat/<r>``           the last barrier initial rank r was counted at: "b"
+                       (counted itself, healthy) or "tb" (counted out at b,
+                       for good); moved by compare_set only
+``monitors/<r>``       heartbeat counter of rank r's monitor process
 ``topology``           per-rank keys for topology-aware assignments
 ``done``               set when the last rank left; the store host waits for it
 =====================  =====================================================
+
+Seats make every rank count exactly once per barrier, whoever counts it: the
+rank itself, its monitor when it died, or a peer's monitor when it was lost.
+Each moves the seat from "b-1" to "b" or "tb" with one compare_set, and only
+the winner adds to the barrier's counter. A rank that finds its seat taken
+("tb") was counted out by someone else and leaves the job.
 
 Barrier i (i = 0 is the initial barrier) decides the membership of iteration
 i. Every arrival is one ``add`` that returns (healthy, terminated) so far. The
@@ -56,6 +66,7 @@ COMPLETE = "complete"
 TERMINATED_UNIT = 1 << 32
 COUNT_MASK = TERMINATED_UNIT - 1
 MAX_FAULTS_IN_DECISION = 32
+_NO_SEAT = "\x01"  # what compare_set returns for a seat key that does not exist yet
 MAX_MESSAGE = 300
 # Long waits are cut into chunks so that a cancelled waiter notices within one
 # chunk; the fault itself wakes the waiter at once, whatever the chunk.
@@ -73,6 +84,11 @@ def done_key(call: int) -> str:
 def monitor_heartbeat_key(call: int, rank: int) -> str:
     """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
     return f"inprocess/{call}/monitors/{rank}"
+
+
+class SeatTaken(Exception):
+    """This rank was counted out of the job by another process (its monitor, or
+    a peer's monitor that declared it lost): it must leave without counting."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,13 +312,82 @@ class RestartProtocol:
 
     # -- barrier ------------------------------------------------------------
 
-    def arrive(self, iteration: int, initial_rank: int, expected: int, terminated: bool) -> tuple[int, int, bool]:
-        """Count this rank in at barrier ``iteration``: one ``add``.
+    def seat_key(self, initial_rank: int) -> str:
+        return f"{self.prefix}seat/{initial_rank}"
+
+    def take_seat(self, iteration: int, initial_rank: int, terminated: bool) -> bool:
+        """Move the rank's seat from barrier ``iteration - 1`` to ``iteration``.
+
+        False when somebody else counted the rank out already ("t..."): the
+        rank must not count itself.
+        """
+        desired = f"t{iteration}" if terminated else str(iteration)
+        previous = "" if iteration == 0 else str(iteration - 1)
+        self.ops += 1
+        value = self.store.compare_set(self.seat_key(initial_rank), previous, desired).decode()
+        if value == desired:
+            return True
+        if value.startswith("t"):
+            return False
+        # compare_set answers a missing key with the expected value itself.
+        held = "nothing" if value == previous else repr(value)
+        raise InternalError(f"barrier {iteration}: seat of rank {initial_rank} holds {held}, expected {previous!r}")
+
+    def read_seat(self, initial_rank: int) -> Optional[str]:
+        """The seat's value, or None if the rank never arrived anywhere."""
+        self.ops += 1
+        value = self.store.compare_set(self.seat_key(initial_rank), _NO_SEAT, _NO_SEAT).decode()
+        return None if value == _NO_SEAT else value
+
+    def count_out(
+        self,
+        initial_rank: int,
+        fault: Callable[[int], FaultRecord],
+        expected_at: Callable[[int], Optional[int]],
+        timeout: float,
+    ) -> Optional[int]:
+        """Count ``initial_rank`` out of the job on its behalf (it died, or was lost).
+
+        At the first barrier it has not been counted at: ``fault(i)`` is
+        recorded for iteration i = barrier - 1 and its restart requested;
+        ``expected_at(b)`` is the number of ranks barrier b counts, or None when
+        the rank is not a member there (nothing to do). Returns the barrier, or
+        None when somebody else counted the rank out, or it is no member, or the
+        iteration had completed (then this leaves on the rank's behalf).
+        """
+        for _ in range(64):
+            seat = self.read_seat(initial_rank)
+            if seat is not None and seat.startswith("t"):
+                return None
+            barrier = 0 if seat is None else int(seat) + 1
+            expected = expected_at(barrier)
+            if expected is None:
+                return None
+            self.ops += 1
+            won = self.store.compare_set(self.seat_key(initial_rank), seat or "", f"t{barrier}").decode()
+            if won != f"t{barrier}":
+                continue  # the rank (or another declarer) moved the seat meanwhile: look again
+            if barrier > 0:
+                self.record_fault(fault(barrier - 1))
+                if not self.request_restart(barrier - 1):
+                    self.leave(barrier - 1, expected)
+                    return None
+            self.barrier(barrier, initial_rank, expected, True, None, timeout, seat_taken=True)
+            return barrier
+        raise InternalError(f"rank {initial_rank}: its seat kept moving while it was counted out")
+
+    def arrive(
+        self, iteration: int, initial_rank: int, expected: int, terminated: bool, seat_taken: bool = False
+    ) -> tuple[int, int, bool]:
+        """Count this rank in at barrier ``iteration``: its seat, then one ``add``.
 
         Returns (healthy, terminated, complete) as of this arrival. ``expected``
         is the number of ranks that must arrive (every rank of the previous
         membership). The arrival that completes the count sets ``ready``.
+        Raises :class:`SeatTaken` when somebody counted this rank out already.
         """
+        if not seat_taken and not self.take_seat(iteration, initial_rank, terminated):
+            raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
         if terminated:
             self.ops += 1
             self.store.append(self.key(iteration, "terminated"), f"{initial_rank},")
@@ -362,6 +447,7 @@ class RestartProtocol:
         decide: Optional[DecideFn],
         timeout: float,
         on_arrived: Optional[Callable[[], None]] = None,
+        seat_taken: bool = False,
     ) -> Optional[Decision]:
         """Arrive at barrier ``iteration`` and return its decision.
 
@@ -372,7 +458,7 @@ class RestartProtocol:
         never waits and never leads. If every rank arrived terminated, the
         arrival that completes the count ends the job's keys.
         """
-        healthy, dead, complete = self.arrive(iteration, initial_rank, expected, terminated)
+        healthy, dead, complete = self.arrive(iteration, initial_rank, expected, terminated, seat_taken)
         if on_arrived is not None:
             on_arrived()
         log.debug("barrier %d: rank %d arrived (healthy=%d, terminated=%d)", iteration, initial_rank, healthy, dead)

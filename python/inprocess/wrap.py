@@ -55,7 +55,7 @@ from .config import Timeouts, check_bool, check_callable, check_factory, check_k
 from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
 from .membership import Membership
 from . import protocol
-from .protocol import COMPLETE, Decision, FaultRecord, RestartProtocol
+from .protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .rank_assignment import (
     ActivateAllRanks,
     ShiftRanks,
@@ -368,10 +368,7 @@ class CallWrapper:
         if self._key_owners:
             keys = [list(owner.local_keys(s.initial_rank, s.initial_world_size)) for owner in self._key_owners]
             self._protocol.publish_local_keys(s.initial_rank, keys)  # type: ignore[union-attr]
-        decision = self._protocol.barrier(  # type: ignore[union-attr]
-            0, s.initial_rank, s.initial_world_size, False, self._decide, _seconds(self._w.timeouts.barrier_timeout),
-            on_arrived=self._mark_arrived,
-        )
+        decision = self._barrier(0, s.initial_world_size)
         assert decision is not None
         self._apply(decision)
 
@@ -464,10 +461,7 @@ class CallWrapper:
         record.health_checked_ns = time.monotonic_ns()
 
         self._set_phase(_Phase.RESTART_BARRIER)
-        decision = self._protocol.barrier(  # type: ignore[union-attr]
-            fault_iteration + 1, s.initial_rank, s.world_size, False, self._decide, _seconds(t.barrier_timeout),
-            on_arrived=self._mark_arrived,
-        )
+        decision = self._barrier(fault_iteration + 1, s.world_size)
         assert decision is not None
         record.decided_ns = time.monotonic_ns()
         record.faults, record.n_faults, record.terminated = decision.faults, decision.n_faults, decision.terminated
@@ -476,6 +470,18 @@ class CallWrapper:
         record.fault_ns = min(here) if here else 0
         self.restarts.append(record)
         self._apply(decision)
+
+    def _barrier(self, iteration: int, expected: int) -> Optional[Decision]:
+        s = self.state
+        try:
+            return self._protocol.barrier(  # type: ignore[union-attr]
+                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout),
+                on_arrived=self._mark_arrived,
+            )
+        except SeatTaken as e:
+            # A monitor declared this rank lost (its own monitor stopped
+            # heartbeating) and counted it out: it must not count itself in.
+            raise _Terminated(e, "counted_out") from None
 
     def _run_recovery_hook(self, name: str, hook: Optional[Callable[[FrozenState], Any]]) -> None:
         if hook is None:
@@ -545,16 +551,19 @@ class CallWrapper:
         exc = t.exc
         _drop_frames(exc)
         s.mode = Mode.TERMINATED
-        self._set_phase(_Phase.TERMINATED)
         log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, t.kind, type(exc).__name__, exc)
-        if t.kind not in ("discarded", "abort_job") and self._membership is not None:
+        if t.kind not in ("discarded", "abort_job", "counted_out") and self._membership is not None:
             try:
                 p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, t.kind, exc))
                 # Arrive at the next barrier as terminated, so nobody waits for this rank.
                 p.barrier(s.iteration + 1, s.initial_rank, s.world_size, True, self._decide,
                           _seconds(self._w.timeouts.barrier_timeout))
+            except SeatTaken:
+                log.info("rank %d was counted out by another process already", s.initial_rank)
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
+        # Only now: until the rank is counted out, its monitor must count it out if it dies.
+        self._set_phase(_Phase.TERMINATED)
         if self._w.terminate is not None:
             try:
                 self._w.terminate(s.freeze())
@@ -660,7 +669,10 @@ class CallWrapper:
         s = self.state
         e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
-        p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
+        try:
+            p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
+        except SeatTaken:
+            log.info("rank %d was counted out by another process already", s.initial_rank)
 
     @contextlib.contextmanager
     def _hang_protection(self) -> Iterator[None]:
