@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long to wait for a barrier decision the rank took part in (default 120)")
     p.add_argument("--heartbeat-interval-s", type=_positive(float, "--heartbeat-interval-s", True), default=0.0,
                    help="add 1 to inprocess/<call>/monitors/<rank> this often (0: off, the default)")
+    p.add_argument("--heartbeat-timeout-s", type=_positive(float, "--heartbeat-timeout-s", True), default=0.0,
+                   help="count a peer out when its monitor's counter stood still this long (0: off, the default)")
     p.add_argument("--logfile", default=None, help="append the log here (default: stderr)")
     p.add_argument("--pidfile", default=None,
                    help="written with the monitor's pid once it watches the rank; removed on every exit")
@@ -166,6 +168,68 @@ def _describe_status(status: Optional[int]) -> tuple[str, str]:
 # -- the monitor ------------------------------------------------------------------
 
 
+HEARTBEAT_GONE = 1 << 40  # added to a monitor's counter when it stops on purpose
+WATCHED_PEERS = 8  # a node of 8 ranks lost at once is counted out within one heartbeat_timeout
+
+
+class PeerWatch:
+    """The heartbeat counters of the next WATCHED_PEERS ranks (in initial rank
+    order, wrapping around), read with one ``multi_get`` per interval.
+
+    A counter that stands still for ``timeout_s`` of THIS host's monotonic
+    clock means the peer's monitor (or node) is lost: no clock of another host
+    is compared. Every rank is watched by up to WATCHED_PEERS monitors; its
+    seat makes only the first to count it out do so.
+    """
+
+    def __init__(self, call: int, rank: int, world_size: int, timeout_s: float):
+        width = min(WATCHED_PEERS, world_size - 1)
+        self.peers = [(rank + k) % world_size for k in range(1, width + 1)]
+        self.call = call
+        self.timeout_s = timeout_s
+        self.last: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
+        self.done: set[int] = set()  # gone on purpose, or counted out
+        self.exists: set[int] = set()
+
+    def _confirm(self, store: Any) -> None:
+        """multi_get waits for missing keys: read only counters known to exist.
+        A monitor creates its counter when it starts; until then (or forever,
+        for a rank dead before its monitor could beat: its monitor counts it
+        out) the peer is checked, one ``check`` for all of them in the usual case."""
+        missing = [p for p in self.peers if p not in self.exists]
+        if not missing:
+            return
+        keys = [monitor_heartbeat_key(self.call, p) for p in missing]
+        if store.check(keys):
+            self.exists.update(missing)
+            return
+        for peer, key in zip(missing, keys):
+            if store.check([key]):
+                self.exists.add(peer)
+
+    def poll(self, store: Any) -> list[tuple[int, float]]:
+        """Read the watched counters; returns the peers silent for too long (once each)."""
+        self._confirm(store)
+        peers = [p for p in self.peers if p in self.exists and p not in self.done]
+        if not peers:
+            return []
+        values = store.multi_get([monitor_heartbeat_key(self.call, p) for p in peers])
+        now = time.monotonic()
+        lost = []
+        for peer, raw in zip(peers, values):
+            value = int(raw)
+            if value >= HEARTBEAT_GONE:
+                self.done.add(peer)
+                continue
+            seen = self.last.get(peer)
+            if seen is None or seen[0] != value:
+                self.last[peer] = (value, now)
+            elif now - seen[1] > self.timeout_s:
+                self.done.add(peer)
+                lost.append((peer, now - seen[1]))
+        return lost
+
+
 class Monitor:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -176,6 +240,9 @@ class Monitor:
         self.guard: Optional[_native.HardTimeoutGuard] = None
         self._protocol: Optional[RestartProtocol] = None
         self._stop_heartbeat = threading.Event()
+        self.watch: Optional[PeerWatch] = None
+        if args.heartbeat_interval_s > 0 and args.heartbeat_timeout_s > 0 and args.world_size:
+            self.watch = PeerWatch(args.call, args.rank, args.world_size, args.heartbeat_timeout_s)
         self._heartbeat_thread: Optional[threading.Thread] = None
         self._event: Optional[_native.GuardEvent] = None
         self._start_time: Optional[int] = None
@@ -195,6 +262,8 @@ class Monitor:
         return self._protocol
 
     def _heartbeat_loop(self) -> None:
+        """Every heartbeat interval: one ``add`` to this monitor's counter, and
+        one ``multi_get`` of the counters of the peers it watches."""
         key = monitor_heartbeat_key(self.args.call, self.rank)
         store = None
         while True:
@@ -202,13 +271,50 @@ class Monitor:
                 if store is None:
                     store = self._connect()
                 store.add(key, 1)
+                if self.watch is not None and self._rank_passed_first_barrier():
+                    for peer, silent_s in self.watch.poll(store):
+                        self._declare_lost(peer, silent_s)
             except Exception as e:  # the store is down or slow: try again next interval
                 log.warning("heartbeat to the store failed: %s: %s", type(e).__name__, e)
+                if store is not None:
+                    store.close()
                 store = None
             if self._stop_heartbeat.wait(self.args.heartbeat_interval_s):
                 break
         if store is not None:
             store.close()
+
+    def _rank_passed_first_barrier(self) -> bool:
+        # Every monitor has created its counter before its rank could count
+        # itself in at barrier 0: from then on, every watched key exists.
+        snap = self._page_snapshot()
+        return snap is not None and snap.world_size > 0
+
+    def _declare_lost(self, peer: int, silent_s: float) -> None:
+        """A peer's monitor went silent for heartbeat_timeout: its node is lost,
+        or its monitor is. Counted out on a thread of its own (it may wait for a
+        decision), so that this monitor's own heartbeat goes on."""
+        message = (f"the monitor of rank {peer} sent no heartbeat for {silent_s:.1f}s "
+                   f"(heartbeat_timeout={self.args.heartbeat_timeout_s:g}s), seen by the monitor of rank {self.rank}")
+        log.warning("%s: counting rank %d out", message, peer)
+
+        def run() -> None:
+            try:
+                self.count_out(peer, "unresponsive", "HeartbeatTimeout", message, self._connect())
+            except Exception as e:
+                log.error("could not count out lost rank %d: %s: %s", peer, type(e).__name__, e)
+
+        threading.Thread(target=run, name=f"inprocess-monitor-lost-{peer}", daemon=True).start()
+
+    def _mark_gone(self) -> None:
+        """Tell the peers' monitors that this one stops on purpose (not lost)."""
+        if self.args.heartbeat_interval_s <= 0:
+            return
+        try:
+            with self._connect() as store:
+                store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+        except Exception as e:
+            log.warning("could not mark this monitor gone in the store: %s: %s", type(e).__name__, e)
 
     # lifecycle ----------------------------------------------------------------
 
@@ -278,6 +384,7 @@ class Monitor:
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(self.args.store_timeout_s)
+            self._mark_gone()
         if self.guard is not None:
             self.guard.stop(int(self.args.kill_wait_s * _NS) + int(self.args.grace_s * _NS) + _NS)
         if self.pidfd >= 0:
@@ -347,24 +454,30 @@ class Monitor:
             return EXIT_STORE
         return EXIT_OK
 
-    def count_out(self, rank: int, kind: str, type_: str, message: str) -> Optional[int]:
+    def count_out(self, rank: int, kind: str, type_: str, message: str, store: Any = None) -> Optional[int]:
         """Count ``rank`` out at the first barrier it has not been counted at
         (its seat says which), recording the fault and requesting the restart."""
 
         def fault(iteration: int) -> FaultRecord:
             return FaultRecord(rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
 
+        protocol = self.protocol if store is None else RestartProtocol(store, self.args.call)
+
         def expected_at(barrier: int) -> Optional[int]:
             if barrier == 0:
                 if self.args.world_size is None:
-                    raise RuntimeError(f"rank {rank} died before the initial barrier and --world-size was not given")
+                    raise RuntimeError(f"rank {rank} left before the initial barrier and --world-size was not given")
                 return int(self.args.world_size)
-            decision = self.protocol.wait_decision(barrier - 1, self.args.barrier_timeout_s)
+            decision = protocol.wait_decision(barrier - 1, self.args.barrier_timeout_s)
             if decision.abort is not None or decision.membership.mode[rank] == Mode.TERMINATED:
                 return None
             return decision.membership.world_size
 
-        barrier = self.protocol.count_out(rank, fault, expected_at, self.args.barrier_timeout_s)
+        try:
+            barrier = protocol.count_out(rank, fault, expected_at, self.args.barrier_timeout_s)
+        finally:
+            if store is not None:
+                store.close()
         if barrier is None:
             log.info("rank %d needed no counting out (counted already, not a member, or the job completed)", rank)
         else:
@@ -433,6 +546,7 @@ def spawn_monitor(
     store_timeout_s: float = 60.0,
     barrier_timeout_s: float = 120.0,
     heartbeat_interval_s: float = 0.0,
+    heartbeat_timeout_s: float = 0.0,
     logfile: Optional[str] = None,
     pidfile: Optional[str] = None,
     log_level: str = "INFO",
@@ -452,7 +566,8 @@ def spawn_monitor(
         "--heartbeat-fd", str(heartbeat.fd), "--pid", str(os.getpid()),
         "--grace-s", repr(float(grace_s)), "--kill-wait-s", repr(float(kill_wait_s)),
         "--store-timeout-s", repr(float(store_timeout_s)), "--barrier-timeout-s", repr(float(barrier_timeout_s)),
-        "--heartbeat-interval-s", repr(float(heartbeat_interval_s)), "--log-level", log_level,
+        "--heartbeat-interval-s", repr(float(heartbeat_interval_s)),
+        "--heartbeat-timeout-s", repr(float(heartbeat_timeout_s)), "--log-level", log_level,
     ]
     if world_size is not None:
         argv += ["--world-size", str(world_size)]

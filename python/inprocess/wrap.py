@@ -36,6 +36,7 @@ import inspect
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -105,8 +106,11 @@ class Wrapper:
       ``heartbeat_timeout``, ``progress_watchdog_interval``,
       ``monitor_process_interval``, ``termination_grace_time``,
       ``monitor_process_logfile``, ``monitor_process_pidfile``: hang and
-      death detection. Validated and written to the heartbeat page now; their
-      mechanism (native watchdog, monitor process) lands with native monitoring.
+      death detection: the native watchdog (soft), the monitor process (hard,
+      deaths), and the monitors' store heartbeats, each watching its next
+      peers (heartbeat_timeout: a lost monitor or node gets its rank counted
+      out). ``monitor_process_interval`` is accepted for compatibility: the
+      monitor waits on a pidfd and on the page's deadlines, not on an interval.
     - ``monitor_thread_interval``, ``last_call_wait``: accepted for
       compatibility. Faults reach every rank through a blocking wait on the
       store, and concurrent faults are gathered by the barrier itself, so the
@@ -479,9 +483,10 @@ class CallWrapper:
                 on_arrived=self._mark_arrived,
             )
         except SeatTaken as e:
-            # A monitor declared this rank lost (its own monitor stopped
-            # heartbeating) and counted it out: it must not count itself in.
-            raise _Terminated(e, "counted_out") from None
+            # A peer's monitor declared this rank lost (this rank's own monitor
+            # stopped heartbeating) and counted it out: it must not count itself in.
+            raise _Terminated(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
+                              "counted_out") from None
 
     def _run_recovery_hook(self, name: str, hook: Optional[Callable[[FrozenState], Any]]) -> None:
         if hook is None:
@@ -647,6 +652,8 @@ class CallWrapper:
             world_size=self.state.initial_world_size,
             barrier_timeout_s=_seconds(t.barrier_timeout),
             store_timeout_s=_seconds(t.barrier_timeout),
+            heartbeat_interval_s=_seconds(t.heartbeat_interval),
+            heartbeat_timeout_s=_seconds(t.heartbeat_timeout),
             logfile=self._w.monitor_process_logfile,
             pidfile=self._w.monitor_process_pidfile,
             # Without a log file the monitor shares the rank's stderr: warnings only.
@@ -657,7 +664,11 @@ class CallWrapper:
         monitor, self._monitor = self._monitor, None
         if monitor is None or monitor.poll() is not None:
             return
-        monitor.terminate()  # a monitor stopped by SIGTERM writes nothing to the store
+        # Stopped on purpose: the monitor only marks its heartbeat gone (so
+        # that its peers do not count this rank out). SIGCONT first: a frozen
+        # monitor would not see the SIGTERM.
+        monitor.send_signal(signal.SIGCONT)
+        monitor.terminate()
         try:
             monitor.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -69,6 +69,20 @@ def inject(kind):
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline:
             pass
+    if kind in ("kill_monitor", "stop_monitor"):
+        # The rank's own monitor process (its child) is killed or frozen; the rank goes on.
+        sig = 9 if kind == "kill_monitor" else 19
+        for pid in os.listdir("/proc"):
+            try:
+                if not pid.isdigit() or int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                    continue
+                if b"inprocess.monitor" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    os.kill(int(pid), sig)
+                    log["monitor_signalled"] = int(pid)
+                    return
+            except OSError:
+                continue
+        raise RuntimeError("no monitor process found among this rank's children")
     if kind.startswith("delayed_exception"):
         time.sleep(float(kind.split(":")[1]))
         log["fault_ns"] = time.monotonic_ns()
@@ -212,6 +226,8 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
         for f in PLAN.get("faults", []):
             if f["iteration"] == it and f["rank"] == INITIAL_RANK and f["step"] == step:
                 inject(f["kind"])
+        if PLAN.get("step_sleep"):
+            time.sleep(PLAN["step_sleep"])
         x = torch.randn(32, 16, generator=gen)
         y = x.sum(dim=1, keepdim=True)
         opt.zero_grad()

@@ -1,0 +1,40 @@
+"""Lost monitors: monitor processes heartbeat through the store, and each watches
+the counters of its next peers. A monitor that stops (SIGKILL, SIGSTOP: a lost
+node looks the same from outside) gets its rank counted out within
+heartbeat_timeout; the rank itself, still alive, finds its seat taken at the
+restart barrier and leaves; the other three finish with world size 3."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
+WRAPPER = {"soft_timeout": 5, "hard_timeout": 8, "progress_watchdog_interval": 0.2, "barrier_timeout": 30, **HEARTBEAT}
+
+
+@pytest.mark.parametrize("kind", ["kill_monitor", "stop_monitor"])
+def test_lost_monitor_gets_its_rank_counted_out(job, kind):
+    plan = {"steps": 60, "step_sleep": 0.1, "faults": [{"iteration": 0, "rank": 2, "step": 3, "kind": kind}],
+            "wrapper": dict(WRAPPER)}
+    res = job(plan, timeout=100)
+    assert res.returncodes[2] != 0, res.describe()
+    lost = res.rank(2)
+    assert lost["exception"] == "RankDiscarded" and "declared lost" in lost["message"], lost
+    for r in (0, 1, 3):
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == 1
+        assert log["iterations"][-1]["world_size"] == 3
+    restart = res.rank(0)["restarts"][0]
+    assert restart["terminated"] == [2], restart
+    faults = [f for f in restart["faults"] if f["rank"] == 2]
+    assert [f["kind"] for f in faults] == ["unresponsive"], restart
+    # The silence is timed from the last change a watcher saw, up to one interval
+    # before the signal; then one interval to see it, plus slack for a loaded machine.
+    fault_ns = lost["fault_ns"]
+    resumed_ns = max(res.rank(r)["iterations"][1]["started_ns"] for r in (0, 1, 3))
+    delay = (resumed_ns - fault_ns) / 1e9
+    interval, timeout = HEARTBEAT["heartbeat_interval"], HEARTBEAT["heartbeat_timeout"]
+    assert timeout - interval <= delay < timeout + interval + 3.0, delay
