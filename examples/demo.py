@@ -4,9 +4,12 @@
     torchrun --standalone --nproc-per-node 4 examples/demo.py    # or let torchrun start them
 
 A small MLP trains under DDP (gloo) for 100 steps. Rank 2 raises at step 30,
-rank 1 at step 60; each time every rank restarts the function in-process,
-resumes from the last step all ranks committed, and rank 0 prints one line
-per restart. Environment: DEMO_STEPS, DEMO_FAULTS ("rank:step,rank:step").
+rank 1 at step 60, and rank 0's process is SIGKILLed at step 80; each time the
+ranks still there restart the function in-process, resume from the last step
+they all committed, and the current rank 0 prints one line per restart. The
+process group's rendezvous runs on ``call_wrapper.store``, served by the store
+host process (not by rank 0's process), so the job survives losing rank 0.
+Environment: DEMO_STEPS, DEMO_FAULTS ("rank:step[:kill],...").
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -24,7 +28,20 @@ import torch.distributed as dist
 import inprocess
 
 TOTAL_STEPS = int(os.environ.get("DEMO_STEPS", "100"))
-FAULTS = [tuple(int(x) for x in f.split(":")) for f in os.environ.get("DEMO_FAULTS", "2:30,1:60").split(",") if f]
+
+def parse_faults(spec: str) -> list[tuple[int, int, str]]:
+    """"rank:step" raises at that step; "rank:step:kill" SIGKILLs the rank's process."""
+    faults = []
+    for item in filter(None, spec.split(",")):
+        parts = item.split(":")
+        kind = parts[2] if len(parts) == 3 else "raise"
+        if len(parts) not in (2, 3) or kind not in ("raise", "kill"):
+            raise ValueError(f"DEMO_FAULTS item {item!r}: expected rank:step or rank:step:kill")
+        faults.append((int(parts[0]), int(parts[1]), kind))
+    return faults
+
+
+FAULTS = parse_faults(os.environ.get("DEMO_FAULTS", "2:30,1:60,0:80:kill"))
 
 
 class TrainState:
@@ -39,7 +56,8 @@ class TrainState:
         self.step = 0
         self.snapshot: Optional[tuple[dict, dict, float]] = None  # model, optimizer, loss at `step`
         self.previous: Optional[tuple[int, Optional[tuple[dict, dict, float]]]] = None
-        self.faults_done: set[tuple[int, int]] = set()
+        self.faults_done: set[tuple[int, int, str]] = set()
+        self.active_rank: Optional[int] = None
 
     def commit(self, model: torch.nn.Module, opt: torch.optim.Optimizer, loss: float) -> None:
         self.previous = (self.step, self.snapshot)
@@ -96,11 +114,14 @@ def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = Non
         print(f"[demo] iteration {call_wrapper.iteration}: {me.active_world_size} ranks resume at step {state.step}",
               flush=True)
     initial_rank = me.initial_rank
+    state.active_rank = me.active_rank
     while state.step < TOTAL_STEPS:
         call_wrapper.ping()
         for fault in FAULTS:
-            if fault == (initial_rank, state.step) and fault not in state.faults_done:
+            if fault[:2] == (initial_rank, state.step) and fault not in state.faults_done:
                 state.faults_done.add(fault)
+                if fault[2] == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault at step {state.step}")
         gen = torch.Generator().manual_seed(state.step * 1000 + me.active_rank)
         x = torch.randn(64, 32, generator=gen)
@@ -120,7 +141,7 @@ def run_rank() -> int:
     start = time.monotonic()
     state = TrainState()
     loss = train(state)
-    if os.environ.get("RANK") == "0":
+    if state.active_rank == 0:
         print(f"[demo] finished {TOTAL_STEPS} steps in {time.monotonic() - start:.1f} s, "
               f"final loss {loss:.4f}", flush=True)
     return 0
@@ -129,9 +150,14 @@ def run_rank() -> int:
 def launch(world_size: int = 4) -> int:
     from inprocess._local_launch import LocalJob
 
+    killed = {rank for rank, _, kind in FAULTS if kind == "kill"}
     with LocalJob([__file__], world_size, capture=False) as job:
         ranks = job.wait(timeout=300)
-    return max(abs(r.returncode or 0) for r in ranks)
+    # A rank killed on purpose ends with SIGKILL; every other rank must succeed.
+    bad = [r for r in ranks if r.returncode != (-signal.SIGKILL if r.rank in killed else 0)]
+    for r in bad:
+        print(f"[demo] rank {r.rank} ended with return code {r.returncode}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
