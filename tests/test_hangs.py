@@ -51,3 +51,22 @@ def test_hang_with_the_gil_released_restarts_and_the_rank_survives(job):
 def test_ping_livelock_restarts(job):
     """Rank 1 keeps running Python but stops calling ping(): the manual clock times out."""
     run_hang(job, "livelock")
+
+
+def test_disable_hang_protection_suspends_both_timeouts_and_re_arms_them(job):
+    """Every rank sleeps 3.5 s (past soft 1 s and hard 2.5 s) inside
+    disable_hang_protection(): nothing fires. Three steps later rank 1 hangs
+    outside it: the re-armed soft timeout restarts the job, once."""
+    sleep = [{"iteration": 0, "rank": r, "step": 2, "kind": "protected_sleep:3.5"} for r in range(4)]
+    hang = {"iteration": 0, "rank": 1, "step": 5, "kind": "hang"}
+    wrapper = dict(FAST_TIMEOUTS, soft_timeout=1, hard_timeout=2.5)
+    res = job({"steps": 8, "faults": sleep + [hang], "wrapper": wrapper}, timeout=90)
+    for r in range(4):
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == 1
+        assert log["iterations"][0]["steps"] == 5  # the protected sleep did not end iteration 0
+    restarts = res.rank(0)["restarts"]
+    assert len(restarts) == 1, restarts
+    first_hand = [f for f in restarts[0]["faults"] if f["kind"] != "after_restart"]
+    assert first_hand and all(f["kind"] == "soft_timeout" for f in first_hand), restarts

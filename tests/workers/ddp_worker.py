@@ -83,6 +83,11 @@ def inject(kind):
             except OSError:
                 continue
         raise RuntimeError("no monitor process found among this rank's children")
+    if kind.startswith("protected_sleep"):
+        # Longer than both timeouts, but inside disable_hang_protection(): no restart.
+        with LAST_CALL["call"].disable_hang_protection():
+            time.sleep(float(kind.split(":")[1]))
+        return
     if kind.startswith("delayed_exception"):
         time.sleep(float(kind.split(":")[1]))
         log["fault_ns"] = time.monotonic_ns()
