@@ -79,30 +79,35 @@ def _check_args(args: argparse.Namespace) -> Optional[str]:
 
 
 class _JobLiveness:
-    """Is any monitor of the job still heartbeating? One store read per check
-    while the job lives: the scan starts at the rank that advanced last time."""
+    """Is any monitor of the job still heartbeating? Read a few times per idle
+    timeout, with one ``multi_get`` of the counters known to exist (plus one
+    ``check`` per counter not seen yet): never O(N) requests."""
 
-    def __init__(self, store: Any, world_size: int):
+    def __init__(self, store: Any, world_size: int, idle_timeout_s: float):
         self.store = store
         self.world_size = world_size
-        self.last: dict[int, int] = {}
-        self.next_rank = 0
-        self.last_progress = time.monotonic()
+        self.every_s = idle_timeout_s / 4
+        self.known: list[int] = []
+        self.unknown = set(range(world_size))
+        self.values: list[bytes] = []
+        self.last_progress = self.last_read = time.monotonic()
 
-    def check(self, call: int) -> float:
-        """Seconds since some monitor's heartbeat was last seen to advance."""
-        for i in range(self.world_size):
-            rank = (self.next_rank + i) % self.world_size
-            key = monitor_heartbeat_key(call, rank)
-            if not self.store.check([key]):
-                continue
-            value = int(self.store.add(key, 0))
-            if self.last.get(rank) != value:
-                self.last[rank] = value
-                self.next_rank = rank
-                self.last_progress = time.monotonic()
-                break
-        return time.monotonic() - self.last_progress
+    def idle_s(self, call: int) -> float:
+        """Seconds since some monitor's counter was last seen to move."""
+        now = time.monotonic()
+        if now - self.last_read >= self.every_s:
+            self.last_read = now
+            for rank in sorted(self.unknown):
+                if self.store.check([monitor_heartbeat_key(call, rank)]):
+                    self.unknown.discard(rank)
+                    self.known.append(rank)
+                    self.last_progress = now  # a counter that appeared is news
+            if self.known:
+                values = self.store.multi_get([monitor_heartbeat_key(call, r) for r in self.known])
+                if values != self.values[: len(values)] or len(values) != len(self.values):
+                    self.last_progress = now
+                self.values = values
+        return now - self.last_progress
 
 
 def _parent_alive(pid: int) -> bool:
@@ -127,7 +132,7 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> int:
         return EXIT_SERVER
     _report(ready_fd, f"{_READY} {server.port}")
     log.info("serving on port %d for %d ranks", server.port, args.world_size)
-    liveness = _JobLiveness(server, args.world_size)
+    liveness = _JobLiveness(server, args.world_size, args.idle_timeout_s)
     call: Optional[int] = None
     chunk = datetime.timedelta(seconds=args.check_interval_s)
     while not stop.is_set():
@@ -145,7 +150,7 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> int:
                 log.error("lifetime check failed: %s: %s", type(e).__name__, e)
                 time.sleep(args.check_interval_s)
         if not _parent_alive(args.parent_pid):
-            idle = liveness.check(call if call is not None else 0)
+            idle = liveness.idle_s(call if call is not None else 0)
             if idle > args.idle_timeout_s:
                 log.warning("the process that started this store is gone and no monitor heartbeat "
                             "advanced for %.0fs: the job is gone", idle)

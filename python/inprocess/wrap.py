@@ -607,7 +607,11 @@ class CallWrapper:
             self._heartbeat.set_timeouts(int(_seconds(t.soft_timeout) * 1e9), int(_seconds(t.hard_timeout) * 1e9))
             self._heartbeat.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
             pg_tracker.install()
-            self._store = self._w.store_factory(**self._w.store_kwargs)
+            store_kwargs = dict(self._w.store_kwargs)
+            if self._w.store_factory is store_mod.TCPStore:
+                # An orphaned store host waits one heartbeat_timeout of silence before it decides the job is gone.
+                store_kwargs.setdefault("host_idle_timeout_s", _seconds(t.heartbeat_timeout))
+            self._store = self._w.store_factory(**store_kwargs)
             self._is_store_host = store_mod.is_host(self._store)
             if store_mod.host_process(self._store) is not None:
                 # The store host exits when this call is done: tell it which call that is.

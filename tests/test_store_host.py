@@ -1,0 +1,105 @@
+"""The store host process (python -m inprocess.store_host): it serves, it exits
+when the call is done, when it is orphaned and the job is silent, or when
+told; it refuses bad input with a message naming the value."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch.distributed as dist
+
+from inprocess import store_host
+from inprocess.protocol import done_key, monitor_heartbeat_key
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_serves_and_exits_when_the_call_is_done() -> None:
+    host = store_host.spawn_store_host(0, 2, idle_timeout_s=60)
+    try:
+        client = _client(host.port)
+        client.set("x", "1")
+        assert _client(host.port).get("x") == b"1"
+        client.set(store_host.CALL_KEY, "5")
+        assert host.alive()
+        client.set(done_key(5), "1")
+        assert host.wait_exit(10), "the store host did not exit after done"
+        assert host.popen.returncode == store_host.EXIT_OK
+    finally:
+        host.stop()
+
+
+def test_a_taken_port_is_refused_with_its_number() -> None:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port}"):
+            store_host.spawn_store_host(port, 2, start_timeout_s=60)
+
+
+def test_bad_arguments_exit_2_naming_the_value() -> None:
+    proc = subprocess.run([sys.executable, "-m", "inprocess.store_host", "--port", "70000", "--world-size", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == store_host.EXIT_USAGE
+    assert "--port=70000" in proc.stderr
+
+
+def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
+    """Its starter SIGKILLed, the host serves on while a monitor counter moves,
+    and exits after idle_timeout of silence: no server outlives the job."""
+    starter = textwrap.dedent("""
+        import os, sys
+        from inprocess import store_host
+        host = store_host.spawn_store_host(0, 2, idle_timeout_s=1.5)
+        print(host.pid, host.port, flush=True)
+        sys.stdin.readline()
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", starter], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    host_pid = 0
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        host_pid, port = (int(x) for x in proc.stdout.readline().split())
+        client = _client(port)
+        key = monitor_heartbeat_key(0, 1)
+        client.add(key, 1)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(10) == -signal.SIGKILL
+        for _ in range(10):  # 2.5 s of heartbeats after the starter died: still serving
+            client.add(key, 1)
+            time.sleep(0.25)
+        assert not _gone(host_pid, 0.1), "exited while a monitor was heartbeating"
+        assert _gone(host_pid, 15), "an orphaned store host stayed after the job went silent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if host_pid and not _gone(host_pid, 0):
+            os.kill(host_pid, signal.SIGKILL)
