@@ -18,13 +18,18 @@ two ways that differ only in the wrapper:
 
 Interleaving: ONE job of --world-size rank processes alternates the two, in
 --rounds rounds of one segment each (the order flips every round: W P, P W,
-W P, ...), --steps timed steps per segment after --warmup untimed ones. Every
+W P, ...), --steps timed steps per segment after --warmup untimed ones; one
+more round first (P W) warms both paths up and is not counted. Every
 wrapped segment is a fresh wrapped call (its own MASTER_PORT, monitors
 started and stopped with it); every plain segment a fresh process group. So
 both see the same processes and the same machine noise, a few seconds apart.
 Each step is timed on every rank (time.perf_counter_ns around ping, forward,
 backward with its allreduce, optimizer step and commit); a segment's figure is
-rank 0's median step (the ranks are in lockstep through the allreduce).
+rank 0's median step (the ranks are in lockstep through the allreduce). Also
+given: CPU time per step of the rank process (time.process_time_ns over the
+timed steps, all threads; median over ranks), and its split by thread
+(schedstat): the main thread, gloo's threads, and the others (where the
+wrapper's watchdog and restart-trigger threads are).
 Reported: the median over segments of each mode, their ratio (wrapped /
 plain), the per-round ratios (min-max), and a noise floor: the relative spread
 (max - min) / median of the plain segments among themselves.
@@ -88,7 +93,29 @@ def rank_main() -> None:
     os._exit(0)
 
 
-def train_loop(rank: int, world_size: int, steps: int, warmup: int, ping: Any, atomic: Any) -> list[int]:
+def task_cpu() -> dict[str, tuple[str, int]]:
+    """CPU ns of every thread of this process (/proc/self/task/*/schedstat), with its class:
+    main (the main thread), gloo (gloo's loop and worker threads) or other (everything
+    else: the wrapper's watchdog and trigger threads, store and torch helper threads)."""
+    out = {}
+    pid = os.getpid()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        cls = "main" if int(tid) == pid else "gloo" if comm.startswith(("gloo", "pt_gloo")) else "other"
+        out[tid] = (cls, ns)
+    return out
+
+
+def train_loop(rank: int, world_size: int, steps: int, warmup: int, ping: Any, atomic: Any) -> dict[str, Any]:
+    """Per-step wall times (ns) of the timed steps, and the process's CPU time per timed
+    step (all its threads: the main thread, gloo's, and the wrapper's), also by class
+    of thread (task_cpu)."""
     import torch
 
     torch.manual_seed(0)
@@ -97,10 +124,15 @@ def train_loop(rank: int, world_size: int, steps: int, warmup: int, ping: Any, a
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     checkpoint = None
     times = []
+    cpu0 = 0
+    tasks0: dict[str, tuple[str, int]] = {}
     for step in range(warmup + steps):
         gen = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(64, 32, generator=gen)
         y = torch.sin(x.sum(dim=1, keepdim=True))
+        if step == warmup:
+            cpu0 = time.process_time_ns()
+            tasks0 = task_cpu()
         t0 = time.perf_counter_ns()
         ping()
         opt.zero_grad()
@@ -111,8 +143,12 @@ def train_loop(rank: int, world_size: int, steps: int, warmup: int, ping: Any, a
             checkpoint = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), float(loss.detach()))
         if step >= warmup:
             times.append(time.perf_counter_ns() - t0)
+    cpu_per_step = (time.process_time_ns() - cpu0) / steps
+    by_class = {"main": 0.0, "gloo": 0.0, "other": 0.0}
+    for tid, (cls, ns) in task_cpu().items():
+        by_class[cls] += (ns - tasks0.get(tid, (cls, 0))[1]) / steps
     del checkpoint
-    return times
+    return {"times_ns": times, "cpu_ns_per_step": cpu_per_step, "cpu_ns_per_step_by_thread": by_class}
 
 
 def alternate_rank(steps: int, warmup: int) -> dict[str, Any]:
@@ -128,7 +164,7 @@ def alternate_rank(steps: int, warmup: int) -> dict[str, Any]:
                                 timeout)
 
     @inprocess.Wrapper()
-    def wrapped(call_wrapper: inprocess.CallWrapper = None) -> list[int]:
+    def wrapped(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
         me = call_wrapper.frozen_state
         dist.init_process_group("gloo", store=call_wrapper.store, rank=me.active_rank,
                                 world_size=me.active_world_size, timeout=timeout)
@@ -138,7 +174,7 @@ def alternate_rank(steps: int, warmup: int) -> dict[str, Any]:
         finally:
             dist.destroy_process_group()
 
-    def plain(k: int) -> list[int]:
+    def plain(k: int) -> dict[str, Any]:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"plain/{k}", plain_store), rank=rank,
                                 world_size=world_size, timeout=timeout)
         try:
@@ -146,7 +182,7 @@ def alternate_rank(steps: int, warmup: int) -> dict[str, Any]:
         finally:
             dist.destroy_process_group()
 
-    res: dict[str, list[list[int]]] = {"wrapped": [], "plain": []}
+    res: dict[str, list[dict[str, Any]]] = {"wrapped": [], "plain": []}
     for k, order in enumerate(orders):
         for mode in order:
             if mode == "W":
@@ -231,40 +267,69 @@ def main() -> None:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="inprocess-overhead-"))
     t_start = time.monotonic()
-    orders = ["WP" if k % 2 == 0 else "PW" for k in range(args.rounds)]
+    # Round "-1" warms both paths up (first process group, first wrapped call, allocator)
+    # and is left out: the first segment of a process is the slowest, whichever it is.
+    orders = ["PW"] + ["WP" if k % 2 == 0 else "PW" for k in range(args.rounds)]
     try:
         ranks = run_job(
             "alternate", args.world_size, tmp, "alternate", args.job_timeout,
             OVERHEAD_STEPS=str(args.steps), OVERHEAD_WARMUP=str(args.warmup), OVERHEAD_ORDERS=",".join(orders),
             OVERHEAD_PLAIN_PORT=str(free_port()),
-            OVERHEAD_WRAPPED_PORTS=",".join(str(free_port()) for _ in range(args.rounds)),
+            OVERHEAD_WRAPPED_PORTS=",".join(str(free_port()) for _ in range(len(orders))),
         )
         ping = run_job("ping", 1, tmp, "ping", args.job_timeout, OVERHEAD_BATCHES=str(args.batches))[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def us(times: list[int]) -> float:
-        return statistics.median(times) / 1e3
+    def us(seg: dict[str, Any]) -> float:
+        return statistics.median(seg["times_ns"]) / 1e3
 
+    def cpu_us(k: int, mode: str) -> float:  # median over ranks of CPU per step in segment k
+        return statistics.median(r[mode][k]["cpu_ns_per_step"] for r in ranks) / 1e3
+
+    for r in ranks:  # drop the warm-up round
+        r["wrapped"], r["plain"] = r["wrapped"][1:], r["plain"][1:]
+    orders = orders[1:]
     w = [us(t) for t in ranks[0]["wrapped"]]
     p = [us(t) for t in ranks[0]["plain"]]
+    cw = [cpu_us(k, "wrapped") for k in range(args.rounds)]
+    cp = [cpu_us(k, "plain") for k in range(args.rounds)]
+    cpu_ratio = statistics.median(cw) / statistics.median(cp)
+
+    def by_thread(mode: str, cls: str) -> float:  # median over rounds of the median over ranks, us
+        return statistics.median(
+            statistics.median(r[mode][k]["cpu_ns_per_step_by_thread"][cls] for r in ranks)
+            for k in range(args.rounds)) / 1e3
+
+    threads = {m: {c: by_thread(m, c) for c in ("main", "gloo", "other")} for m in ("wrapped", "plain")}
     lockstep = {m: [[round(us(t), 1) for t in r[m]] for r in ranks] for m in ("wrapped", "plain")}
     ratios = [a / b for a, b in zip(w, p)]
+    slower = sum(1 for x in ratios if x > 1)
     ratio = statistics.median(w) / statistics.median(p)
     noise = (max(p) - min(p)) / statistics.median(p)
     no_difference = min(ratios) <= 1.0 <= max(ratios) or abs(ratio - 1) <= noise
+    verdict = ("PASS: no difference resolved" if no_difference else
+               "FAIL: wrapped measurably slower" if ratio > 1 else
+               "INCONCLUSIVE: wrapped measurably faster, so the noise is larger than these rounds show")
     ping_ns = {k: statistics.median(v) for k, v in ping.items()}
 
     print(f"(a) step time, {args.world_size} ranks gloo DDP (demo MLP), {args.rounds} rounds x "
           f"{args.steps} timed steps per segment, alternated in the same processes; rank 0's median step")
-    print(f"  {'round':>6s} {'order':>5s} {'wrapped':>11s} {'plain':>11s} {'ratio':>7s}")
+    print(f"  {'round':>6s} {'order':>5s} {'wrapped':>11s} {'plain':>11s} {'ratio':>7s}   "
+          f"{'CPU/step: wrapped':>17s} {'plain':>9s}")
     for k in range(args.rounds):
-        print(f"  {k:6d} {orders[k]:>5s} {w[k]:8.1f} us {p[k]:8.1f} us {ratios[k]:7.3f}")
-    print(f"  {'median':>6s} {'':>5s} {statistics.median(w):8.1f} us {statistics.median(p):8.1f} us {ratio:7.3f}"
-          f"   (per-round ratios {min(ratios):.3f}-{max(ratios):.3f}, median {statistics.median(ratios):.3f})")
+        print(f"  {k:6d} {orders[k]:>5s} {w[k]:8.1f} us {p[k]:8.1f} us {ratios[k]:7.3f}   "
+              f"{cw[k]:14.1f} us {cp[k]:6.1f} us")
+    print(f"  {'median':>6s} {'':>5s} {statistics.median(w):8.1f} us {statistics.median(p):8.1f} us {ratio:7.3f}   "
+          f"{statistics.median(cw):14.1f} us {statistics.median(cp):6.1f} us  (CPU ratio {cpu_ratio:.3f})")
+    print(f"  per-round ratios {min(ratios):.3f}-{max(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+          f"wrapped slower in {slower}/{args.rounds} rounds")
     print(f"  noise floor (plain segments among themselves, (max-min)/median): {noise * 100:.1f} %; "
           f"wrapped vs plain: {(ratio - 1) * 100:+.1f} %")
-    print(f"  target: no measurable difference -> {'PASS' if no_difference else 'FAIL'}")
+    print("  CPU per step by thread (median over rounds and ranks): "
+          + "; ".join(f"{c} {threads['wrapped'][c]:.1f} vs {threads['plain'][c]:.1f} us"
+                      for c in ("main", "gloo", "other")) + "  (wrapped vs plain)")
+    print(f"  target: no measurable difference -> {verdict}")
     print(f"(b) cost per call, median of {args.batches} batches of {PING_CALLS:,} calls (loop included)")
     for k, label in (("ping", "call_wrapper.ping()"), ("native_ping", "HeartbeatPage.ping (binding)"),
                      ("empty_function", "empty Python function"), ("empty_loop", "empty loop iteration")):
@@ -274,7 +339,10 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "overhead", "world_size": args.world_size, "rounds": args.rounds, "steps": args.steps,
         "orders": orders, "step_median_us": {"wrapped": w, "plain": p}, "ratio_of_medians": ratio,
-        "round_ratios": ratios, "plain_noise_floor": noise, "no_measurable_difference": no_difference,
+        "round_ratios": ratios, "rounds_wrapped_slower": slower, "plain_noise_floor": noise,
+        "no_measurable_difference": no_difference,
+        "cpu_us_per_step": {"wrapped": cw, "plain": cp}, "cpu_ratio_of_medians": cpu_ratio,
+        "cpu_us_per_step_by_thread": threads, "verdict": verdict,
         "rank_segment_medians_us": lockstep,
         "per_call_ns_median": ping_ns, "per_call_ns_batches": ping, "wall_s": time.monotonic() - t_start,
     }))
