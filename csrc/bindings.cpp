@@ -1,6 +1,8 @@
 // The only pybind11 code of the project: module inprocess._native.
-// Every call that can block releases the GIL (design principle 7); the
-// heartbeat writes release it too, so a ping never waits behind another thread.
+// Every call that can block releases the GIL (design principle 7). The
+// heartbeat page's methods are a few atomic loads and stores: they keep the
+// GIL, since releasing and re-taking it would cost several times the write
+// and could hand the GIL to another thread in the middle of a ping().
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -69,18 +71,14 @@ void register_heartbeat(py::module_& m) {
       .def_property_readonly("fd", &HeartbeatPage::fd)
       .def_property_readonly("closed", &HeartbeatPage::closed)
       .def("close", &HeartbeatPage::close)
-      .def("ping", &HeartbeatPage::ping, py::call_guard<py::gil_scoped_release>())
-      .def("stamp_auto", &HeartbeatPage::stamp_auto, py::call_guard<py::gil_scoped_release>())
-      .def("set_iteration", &HeartbeatPage::set_iteration, py::arg("iteration"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("set_phase", &HeartbeatPage::set_phase, py::arg("phase"), py::call_guard<py::gil_scoped_release>())
-      .def("set_timeouts", &HeartbeatPage::set_timeouts, py::arg("soft_ns"), py::arg("hard_ns"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("set_flag", &HeartbeatPage::set_flag, py::arg("flag"), py::arg("on"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("begin_iteration", &HeartbeatPage::begin_iteration, py::arg("iteration"), py::arg("world_size"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("snapshot", &HeartbeatPage::snapshot, py::call_guard<py::gil_scoped_release>());
+      .def("ping", &HeartbeatPage::ping)
+      .def("stamp_auto", &HeartbeatPage::stamp_auto)
+      .def("set_iteration", &HeartbeatPage::set_iteration, py::arg("iteration"))
+      .def("set_phase", &HeartbeatPage::set_phase, py::arg("phase"))
+      .def("set_timeouts", &HeartbeatPage::set_timeouts, py::arg("soft_ns"), py::arg("hard_ns"))
+      .def("set_flag", &HeartbeatPage::set_flag, py::arg("flag"), py::arg("on"))
+      .def("begin_iteration", &HeartbeatPage::begin_iteration, py::arg("iteration"), py::arg("world_size"))
+      .def("snapshot", &HeartbeatPage::snapshot);
 }
 
 // ---------------------------------------------------------------------------
