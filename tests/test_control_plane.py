@@ -5,7 +5,9 @@ against a real TCPStore server in its own process) at N = 64 and checks that
 every simulated rank holds the same decision and the assignment ShiftRanks
 must give it; (b) counts store operations per rank per restart over an
 in-memory store at two world sizes and fails if the count grows with N; the
-encoded decision must not grow with N either when the faults are fixed.
+encoded decision must not grow with N either when the faults are fixed; (c)
+checks the blocking get behind ``wait_event`` and ``wait_decision`` on both
+torch server backends, with torch's client and the torch-free one.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from typing import Any, Optional
 
 import psutil
 import pytest
+import torch.distributed as dist
 
+import inprocess
+from inprocess import protocol
 from inprocess.membership import ACTIVE, TERMINATED, Membership
-from inprocess.protocol import Decision, FaultRecord, RestartProtocol, decide
+from inprocess.protocol import RESTART, Decision, FaultRecord, RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
+from inprocess.tcpstore_client import TCPStoreClient
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -95,19 +101,27 @@ def _b(value: Any) -> bytes:
 
 
 class MemoryStore:
-    """The torch Store methods the protocol uses, in memory, thread-safe."""
+    """The torch Store methods the protocol uses, in memory, thread-safe.
+
+    Like torch's stores, ``get`` waits for the key up to the store's timeout,
+    which ``set_timeout`` changes (a client-side setting, not a request).
+    """
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._cv = threading.Condition()
+        self.timeout = datetime.timedelta(seconds=30)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout
 
     def set(self, key: str, value: Any) -> None:
         with self._cv:
             self._data[key] = _b(value)
             self._cv.notify_all()
 
-    def get(self, key: str) -> bytes:
-        self.wait([key], datetime.timedelta(seconds=30))
+    def get(self, key: str, timeout: Optional[datetime.timedelta] = None) -> bytes:
+        self.wait([key], self.timeout if timeout is None else timeout)
         with self._cv:
             return self._data[key]
 
@@ -154,11 +168,19 @@ class MemoryStore:
 class CountingView:
     """One rank's view of a shared store: counts every call independently of RestartProtocol.ops."""
 
-    METHODS = ("set", "get", "add", "append", "compare_set", "check", "wait", "delete_key")
+    METHODS = ("set", "add", "append", "compare_set", "check", "wait", "delete_key")
 
     def __init__(self, store: MemoryStore):
         self._store = store
         self.calls = 0
+        self.timeout = store.timeout  # this client's own, as each torch client has
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout  # client-side: not a request, not counted
+
+    def get(self, key: str) -> bytes:
+        self.calls += 1
+        return self._store.get(key, self.timeout)
 
     def __getattr__(self, name: str) -> Any:
         if name not in self.METHODS:
@@ -231,6 +253,9 @@ def test_store_operations_per_rank_do_not_grow_with_n() -> None:
         m = decision.membership
         assert m.mode[n // 2 + 1] == TERMINATED and m.world_size == n - 1
     small, large = per_n[16], per_n[256]
+    # A plain rank: one blocking get of the event, its seat (compare_set), its
+    # arrival (add), one blocking get of the decision.
+    assert small[0] == 4, f"a plain rank made {small[0]} store calls per restart, expected 4"
     assert large[0] <= small[0], f"median ops per rank grew with N: {small[0]} at 16, {large[0]} at 256"
     assert large[1] <= small[1], f"max ops per rank (the leader) grew with N: {small[1]} at 16, {large[1]} at 256"
     assert large[3] <= small[3], f"the monitor's ops grew with N: {small[3]} at 16, {large[3]} at 256"
@@ -259,3 +284,65 @@ def test_decision_size_does_not_grow_with_n() -> None:
     for n in sizes:
         assert sizes[n] - sizes[16] <= numbers * (len(str(n)) - len(str(16))), sizes
     assert sizes[16384] < 2 * sizes[16], sizes
+
+
+# ---------------------------------------------------------------------------
+# (c) the blocking get behind wait_event and wait_decision, real servers
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["libuv", "legacy"])
+@pytest.mark.parametrize("client", ["torch", "torch-free"])
+def test_blocking_get_is_one_call_and_waits_stay_cancellable(
+    backend: str, client: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    libuv = backend == "libuv"
+    ten = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=ten, wait_for_workers=False, use_libuv=libuv)
+    if client == "torch":
+        store: Any = dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=libuv, timeout=ten)
+    else:
+        store = TCPStoreClient("127.0.0.1", server.port, timeout=ten)
+    p = RestartProtocol(store)
+
+    # Woken by the event (set by compare_set + empty append from another
+    # client): one store call, and the store's timeout is restored.
+    reporter = threading.Thread(
+        target=lambda: (time.sleep(0.2), RestartProtocol(server).request_restart(0)), daemon=True
+    )
+    start = time.monotonic()
+    reporter.start()
+    assert p.wait_event(0, 5) == RESTART
+    assert time.monotonic() - start < 1.5
+    reporter.join(5)
+    assert p.ops == 1
+    assert store.timeout == ten
+
+    # Waits are cut into chunks; a cancelled waiter notices within one.
+    monkeypatch.setattr(protocol, "WAIT_CHUNK_S", 0.3)
+    asked: list[float] = []
+
+    def cancelled() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) >= 2
+
+    start = time.monotonic()
+    with pytest.raises(inprocess.TimeoutError, match="cancelled"):
+        p.wait_event(1, None, cancelled)
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert p.ops == 1 + 2  # one get per chunk
+    assert store.timeout == ten
+
+    # A deadline shorter than a chunk is the get's timeout.
+    start = time.monotonic()
+    with pytest.raises(inprocess.TimeoutError, match="barrier 3"):
+        p.wait_decision(3, 0.2)
+    assert time.monotonic() - start < 2.0
+    assert store.timeout == ten
+
+    # The connection is still good after the cancelled gets.
+    server.set("after", "1")
+    assert store.get("after") == b"1"

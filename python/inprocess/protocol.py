@@ -210,10 +210,21 @@ def decide(
 
 
 def is_timeout(e: BaseException) -> bool:
-    """A wait that ran out of time: torch raises DistStoreError("... timeout ...")."""
+    """A wait or blocking get that ran out of time.
+
+    torch's TCPStore raises DistStoreError("wait timeout after ..."), its
+    FileStore a plain RuntimeError ("Wait timeout", "Timeout waiting for key:
+    ..."), the torch-free client a builtins.TimeoutError.
+    """
     if isinstance(e, builtins.TimeoutError):
         return True
-    return type(e).__name__ == "DistStoreError" and "timeout" in str(e).lower()
+    name = type(e).__name__
+    if name == "DistStoreError":
+        return "timeout" in str(e).lower()
+    if name == "RuntimeError":
+        text = str(e)
+        return text.startswith("Wait timeout") or text.startswith("Timeout waiting for key")
+    return False
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -226,6 +237,20 @@ class RestartProtocol:
     ``store`` is one client connection. Blocking waits occupy a connection, so
     a thread that blocks (the restart trigger) gets its own instance over its
     own connection.
+
+    Requests: ``ops`` counts every store call made through this instance, i.e.
+    every request that reaches the store as the client library sees it. On
+    torch's TCPStore wire a ``get`` is two requests (WAIT, then GET), every
+    other call one. Where a value must be waited for (the event, the
+    decision) the protocol sends one blocking ``get`` (one op, WAIT + GET on
+    the wire) instead of ``wait`` then ``get`` (two ops, WAIT + WAIT + GET):
+    the store's timeout, which bounds a ``get``, is set to the wait's chunk
+    for that call and restored after it, so a cancelled waiter still notices
+    within one chunk. This changes the timeout of the store object for the
+    duration of the call: a store given to this class is not shared with
+    threads that rely on its timeout meanwhile. Values that exist already are
+    read with one ``compare_set`` that cannot change them (``_peek``), not a
+    ``get``.
     """
 
     def __init__(self, store: Any, call: int = 0):
@@ -266,6 +291,56 @@ class RestartProtocol:
                 if cancelled is not None and cancelled():
                     raise TimeoutError(f"{what}: cancelled (key {key})") from None
 
+    def get_blocking(
+        self,
+        key: str,
+        timeout: Optional[float],
+        what: str,
+        cancelled: Optional[Callable[[], bool]] = None,
+    ) -> bytes:
+        """The value of ``key`` once it exists: one blocking ``get`` per chunk.
+
+        Same contract as :meth:`wait_key` followed by a ``get`` (the store
+        wakes the caller, long waits are cut into chunks of at most
+        ``WAIT_CHUNK_S`` and ``cancelled`` is asked between them), one request
+        fewer. A store without ``set_timeout`` gets ``wait`` then ``get``.
+        """
+        store = self.store
+        set_timeout = getattr(store, "set_timeout", None)
+        if set_timeout is None:
+            self.wait_key(key, timeout, what, cancelled)
+            self.ops += 1
+            return store.get(key)
+        previous = store.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                chunk = WAIT_CHUNK_S if deadline is None else min(WAIT_CHUNK_S, deadline - time.monotonic())
+                if chunk <= 0:
+                    raise TimeoutError(f"{what}: no answer within {timeout:g}s (key {key})")
+                set_timeout(_td(chunk))
+                try:
+                    self.ops += 1
+                    return store.get(key)
+                except Exception as e:
+                    if not is_timeout(e):
+                        raise
+                    if cancelled is not None and cancelled():
+                        raise TimeoutError(f"{what}: cancelled (key {key})") from None
+        finally:
+            set_timeout(previous)
+
+    def _peek(self, key: str) -> Optional[bytes]:
+        """The value of ``key`` without waiting, or None when it does not exist.
+
+        One ``compare_set`` whose expected and desired values are the same
+        absent-marker: it never changes an existing value and creates no key
+        (a ``get`` would be two requests on the TCPStore wire).
+        """
+        self.ops += 1
+        value = self.store.compare_set(key, _NO_SEAT, _NO_SEAT)
+        return None if value == _NO_SEAT.encode() else bytes(value)
+
     # -- faults and the event -----------------------------------------------
 
     def record_fault(self, record: FaultRecord) -> None:
@@ -297,9 +372,7 @@ class RestartProtocol:
         self, iteration: int, timeout: Optional[float], cancelled: Optional[Callable[[], bool]] = None
     ) -> str:
         key = self.key(iteration, "event")
-        self.wait_key(key, timeout, f"iteration {iteration} outcome", cancelled)
-        self.ops += 1
-        value = self.store.get(key).decode()
+        value = self.get_blocking(key, timeout, f"iteration {iteration} outcome", cancelled).decode()
         if value not in (RESTART, COMPLETE):
             raise InternalError(f"iteration {iteration} event holds {value!r}, expected {RESTART!r} or {COMPLETE!r}")
         return value
@@ -405,8 +478,8 @@ class RestartProtocol:
     def read_terminated(self, iteration: int, count: int) -> set[int]:
         if count == 0:
             return set()
-        self.ops += 1
-        raw = self.store.get(self.key(iteration, "terminated")).decode()
+        # Every terminated arrival appended its rank before its add: the key exists.
+        raw = (self._peek(self.key(iteration, "terminated")) or b"").decode()
         ranks = {int(r) for r in raw.split(",") if r}
         if len(ranks) != count:
             raise InternalError(f"barrier {iteration}: {count} ranks arrived terminated, records name {sorted(ranks)}")
@@ -416,9 +489,10 @@ class RestartProtocol:
         if iteration < 0:
             return []
         key = self.key(iteration, "faults")
-        self.ops += 2
-        self.store.append(key, "")  # creates the key if no fault was recorded, so get() cannot block
-        raw = self.store.get(key).decode()
+        # Reads without waiting: "" when no fault was recorded (creates the key
+        # empty then, which a later append extends; never changes a value).
+        self.ops += 1
+        raw = bytes(self.store.compare_set(key, "", "")).decode()
         out = []
         for line in raw.splitlines():
             if line:
@@ -434,9 +508,7 @@ class RestartProtocol:
 
     def wait_decision(self, iteration: int, timeout: float) -> Decision:
         key = self.key(iteration, "decision")
-        self.wait_key(key, timeout, f"barrier {iteration}")
-        self.ops += 1
-        return Decision.from_json(self.store.get(key))
+        return Decision.from_json(self.get_blocking(key, timeout, f"barrier {iteration}"))
 
     def barrier(
         self,
@@ -508,8 +580,7 @@ class RestartProtocol:
 
     def read_topology(self, initial_world_size: int) -> list[list[list[str]]]:
         """Per initial rank, the key lists it published (leader only, once per restart)."""
-        self.ops += 1
-        raw = self.store.get(self.job_key("topology")).decode()
+        raw = (self._peek(self.job_key("topology")) or b"").decode()
         table: list[Optional[list[list[str]]]] = [None] * initial_world_size
         for line in raw.splitlines():
             if line:
