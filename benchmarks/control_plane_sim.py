@@ -8,18 +8,32 @@ it costs the store::
     python benchmarks/control_plane_sim.py                  # N = 256 1024 4096 16384
     python benchmarks/control_plane_sim.py --n 1024 --restarts 5 --no-write
 
-One restart, as the wrapper does it (``inprocess/wrap.py``, ``trigger.py``):
+One restart, as the wrapper does it (``inprocess/wrap.py``, ``trigger.py``,
+``monitor.py``):
 
-1. steady state: every rank's restart trigger blocks in ``wait_event(i)``;
-2. a fault: rank f dies and its monitor reports it (``report_fault``) and
-   arrives at barrier i+1 on its behalf (``--kind killed``, the default), or
-   rank f's main thread raises and reports (``--kind exception``);
+0. setup, not measured: every rank's seat (``inprocess/<call>/seat/<r>``) is
+   written "0" with ``multi_set``, as the job's initial barrier (barrier 0)
+   leaves it, and every monitor's heartbeat counter exists; the simulated
+   restarts then go through barriers 1, 2, ...;
+1. steady state: every rank's restart trigger blocks in ``wait_event(i)``
+   (one blocking ``get`` of the event key);
+2. a fault: rank f dies and its monitor counts it out (``count_out``: reads
+   and takes its seat, records the fault, requests the restart and arrives
+   at barrier i+1 on its behalf; ``--kind killed``, the default), or rank
+   f's main thread raises and reports (``--kind exception``);
 3. the event wakes every rank's trigger (``wait_event`` returns "restart");
-4. every rank arrives at barrier i+1 (``barrier``: one ``add``); the first
-   healthy arriver leads, runs ``decide`` with
-   ``Compose(ActivateAllRanks(), ShiftRanks())`` and publishes the decision;
-   the others wait for it and read it;
+4. every rank arrives at barrier i+1 (``barrier``: its seat, one
+   ``compare_set``, then one ``add``); the first healthy arriver leads, runs
+   ``decide`` with ``Compose(ActivateAllRanks(), ShiftRanks())`` and
+   publishes the decision; the others read it with one blocking ``get``;
 5. next iteration: every trigger blocks again in ``wait_event(i+1)``.
+
+After the restarts of each N, the steady state is measured: ``--heartbeat-rounds``
+rounds in which every monitor sends what it sends once per
+heartbeat interval (one ``add`` of its counter, one ``multi_get`` of the
+counters of the next 8 ranks), as fast as the clients go, with the server's
+CPU time per round; requests/s and server CPU % follow for the Wrapper's
+default interval of 30 s.
 
 Processes: the TCPStore server (``use_libuv=True``) lives alone in a
 ``python -c`` process; the simulated ranks live in ``--procs`` client
@@ -34,25 +48,38 @@ runs on its own host. Here 16,384 ranks would need 32,768 sockets (over the
 0.2 ms of CPU per wake-up on this machine: the simulation would measure
 thread switching, not the store. So each client process splits its ranks
 into ``--groups`` groups; a group has two connections (non-blocking
-operations; blocking waits) and one thread, which runs the library's calls
-for each of its ranks in turn:
+operations; blocking waits and gets) and one thread, which runs the
+library's calls for each of its ranks in turn:
 
 (A) ``trigger.wait_event(i)`` for each rank: the first blocks until the
-    fault, the others find the event set (each rank still sends its wait
-    and its get);
-(B) ``main.barrier(i+1, ...)`` for each rank: a non-leader's wait for the
-    decision is deferred (the store raises ``_Deferred``, nothing is sent),
-    so that the next rank of the group can arrive; if the leader is in the
-    group, its wait for ``ready`` hands the group's remaining ranks to a new
-    thread and blocks, as a real leader would;
+    fault, the others find the event set (each rank still sends its own
+    blocking get: WAIT + GET on the wire);
+(B) ``main.barrier(i+1, ...)`` for each rank: a non-leader's blocking get of
+    the decision is deferred (the store raises ``_Deferred``, nothing is
+    sent), so that the next rank of the group can arrive; if the leader is
+    in the group, its wait for ``ready`` hands the group's remaining ranks to
+    a new thread and blocks, as a real leader would, on a connection of its
+    own (the process's leader connection) which it keeps for the rest of the
+    barrier;
 (C) ``main.wait_decision(i+1)`` for each deferred rank, which is what
     ``barrier`` returns for a non-leader: the first blocks until the
     decision, the others find it set.
 
+Why the leader has a connection of its own: torch's client runs one call at
+a time per connection. When the leader blocked on its group's waits
+connection, the new thread could reach that connection first, whenever the
+leader was descheduled between handing over and sending its wait: the
+thread's get of the decision then held the connection, the leader's wait for
+``ready`` queued behind it, and the decision never came (the harness stalled
+until its timeout; about one run in three of the N = 64 test under a loaded
+machine, reproduced at will by a 50 ms sleep at that point).
+
 What is measured: every rank sends the server exactly the requests, keys and
 values of the real protocol, in its real order; ``RestartProtocol.ops`` is
-counted per rank (the deferred wait is counted once). What differs from a
-real job: (a) at most P*groups requests are in flight and at most P*groups
+counted per rank (the deferred get is counted once). The fault's monitor
+knows the expected count from the simulator, where a real monitor reads the
+previous decision (one more blocking get, for one process). What differs from
+a real job: (a) at most P*(groups+1) requests are in flight and as many
 waits are parked on the server (a real job parks N waits and sends up to N
 requests at once); (b) within a group the ranks are served one after
 another, so a rank's time includes its predecessors' round trips; (c) the
@@ -60,19 +87,23 @@ Python work of all N ranks (protocol code, syscalls) shares this machine's
 2 cores with the server, where a real job spreads it over N hosts. The
 times are therefore an upper bound for the control plane; the server's own
 CPU time per restart (from /proc) is the part a real job cannot spread:
-the TCPStore server is one event-loop thread. (d) With ``--decode shared``
-(the default) the ranks of one client process share one
-``Decision.from_json`` of the identical decision bytes (each rank still
-fetches the bytes from the store); decoding builds the whole membership,
-O(N) per rank (about 0.5-2 ms at 16,384), which a real job pays once per
-rank in parallel: it is measured and reported in the "decode" column.
-``--decode every-rank`` decodes on every rank (the tests use it).
+the TCPStore server is one event-loop thread. (d) Over loopback the kernel
+runs the receiver's TCP receive path and wake-up inside the sender's
+``write``: the server's CPU per request includes work that a network would
+do on the client's host. (e) With ``--decode shared`` (the default) the
+ranks of one client process share one ``Decision.from_json`` of the
+identical decision bytes (each rank still fetches the bytes from the
+store); decoding builds the whole membership, O(N) per rank (about 0.5 ms
+at 16,384), which a real job pays once per rank in parallel: it is measured
+and reported in the "decode" column. ``--decode every-rank`` decodes on
+every rank (the tests use it).
 
 Bytes per rank are estimated from the torch TCPStore wire format: 1 byte
 query type, strings and values sent as an 8-byte length plus the bytes (keys
 with the client's "/" prefix), 8-byte integers, 1-byte wait/check answers; a
-``get`` is a WAIT then a GET on the wire (two requests); ``set`` and
-``append`` have no answer. TCP/IP headers are not counted.
+``get`` (and a ``multi_get``) is a WAIT then a GET on the wire (two
+requests); ``set`` and ``append`` have no answer. TCP/IP headers are not
+counted.
 
 Outputs: a table and one JSON line on stdout; with writing enabled (default),
 ``benchmarks/control_plane.png`` (time against N) and the results block of
@@ -98,10 +129,13 @@ import time
 from typing import Any, Callable, Optional
 
 from inprocess.membership import ACTIVE, TERMINATED, Membership
-from inprocess.protocol import COMPLETE, WAIT_CHUNK_S, Decision, FaultRecord, RestartProtocol, decide
+from inprocess.protocol import (
+    COMPLETE, WAIT_CHUNK_S, Decision, FaultRecord, RestartProtocol, decide, monitor_heartbeat_key,
+)
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 
 HOST = "127.0.0.1"
+WATCHED_PEERS = 8  # peers whose heartbeat counters each monitor reads per interval (inprocess.monitor)
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PNG = os.path.join(HERE, "control_plane.png")
 DEFAULT_MD = os.path.join(HERE, "control_plane.md")
@@ -134,7 +168,9 @@ class SimConfig:
     decode: str = "shared"  # "shared" or "every-rank" (see the module docstring)
     check_membership: bool = False  # every rank hashes its decoded table (O(N) per rank: small N only)
     settle_s: float = 0.3  # after all ranks armed their waits, before measuring
-    steady_s: float = 1.0  # steady-state window measured before each fault
+    steady_s: float = 1.0  # idle window measured before each fault (every trigger parked)
+    heartbeat_rounds: int = 3  # rounds of monitor heartbeats measured per N (median)
+    heartbeat_interval_s: float = 30.0  # the Wrapper's default heartbeat_interval
     timeout_s: float = 120.0  # every wait and every message from a process
 
 
@@ -167,7 +203,12 @@ class Tally:
 
 
 class Connections:
-    """The TCPStore client connections of one client process: two per group, one for control."""
+    """The TCPStore client connections of one client process.
+
+    Two per group (non-blocking operations; blocking waits and gets), one for
+    the barrier's leader once it blocks (see ``Group.hand_over``) and one for
+    control (fault injection, end of job).
+    """
 
     def __init__(self, port: int, groups: int, timeout_s: float):
         import torch.distributed as dist
@@ -179,9 +220,10 @@ class Connections:
 
         # Connect a few at a time: a connect may wait on the resolver (see CHILD_ENV).
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            made = list(pool.map(connect, range(2 * groups + 1)))
+            made = list(pool.map(connect, range(2 * groups + 2)))
         self.ops = made[0:2 * groups:2]  # per group: non-blocking operations
-        self.waits = made[1:2 * groups:2]  # per group: blocking waits
+        self.waits = made[1:2 * groups:2]  # per group: blocking waits and gets
+        self.lead = made[-2]  # the leader of a barrier, once its group went on without it
         self.control = made[-1]  # the client's command loop (fault injection, end of job)
         self.count = len(made)
 
@@ -189,16 +231,26 @@ class Connections:
 class _Deferred(BaseException):
     """Raised by a rank's wait for the decision while its group is still arriving.
 
-    A BaseException: ``RestartProtocol.wait_key`` lets it through untouched,
-    and ``barrier`` has nothing to unwind. The group then finishes the rank
-    with ``wait_decision``, which is what ``barrier`` returns for a non-leader.
+    A BaseException: ``RestartProtocol.get_blocking`` lets it through
+    untouched, and ``barrier`` has nothing to unwind. The group then finishes
+    the rank with ``wait_decision``, which is what ``barrier`` returns for a
+    non-leader.
     """
+
+
+# Keys whose value the protocol waits for with a blocking get.
+_BLOCKING_GETS = ("/event", "/decision")
 
 
 class SharedStore:
     """One simulated rank's store (main or trigger side) over its group's connections.
 
     Has the torch Store methods the protocol uses, tallies requests and bytes.
+    Non-blocking calls go to the group's operations connection, blocking ones
+    (``wait``, the ``get`` of the event and of the decision) to its waits
+    connection; a leader that blocked uses the process's leader connection for
+    everything, so that its group never queues behind it (torch's client runs
+    one call at a time per connection).
     """
 
     def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional["Group"]):
@@ -206,23 +258,46 @@ class SharedStore:
         self._wait_conn = wait_conn
         self._t = tally
         self._group = group
+        self._timeout = op_conn.timeout  # what set_timeout gave; applied to the connection of each get
+
+    def _conns(self) -> tuple[Any, Any]:
+        g = self._group
+        if g is not None and g.leading():
+            lead = g.job.conns.lead
+            return lead, lead
+        return self._op, self._wait_conn
 
     def _saw(self, key: str, raw: bytes) -> None:
         if key.endswith("/decision"):
             self._t.decision = hashlib.sha1(raw).hexdigest()[:16]
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout  # no request: a client-side setting
 
     def set(self, key: str, value: Any) -> None:
         v = _as_bytes(value)
         t = self._t
         t.requests += 1
         t.out += 1 + _key(key) + 8 + len(v)
-        self._op.set(key, v)
+        self._conns()[0].set(key, v)
         self._saw(key, v)
 
     def get(self, key: str) -> bytes:
-        raw = self._op.get(key)
+        op, wait = self._conns()
+        conn = op
+        if key.endswith(_BLOCKING_GETS):
+            g = self._group
+            if g is not None and g.arriving() and key.endswith("/decision"):
+                raise _Deferred()  # nothing was sent: the group sends this get once it has arrived
+            conn = wait
+        conn.set_timeout(self._timeout)
+        raw = conn.get(key)
         t = self._t
-        t.requests += 2  # WAIT (answered at once: the key exists) + GET
+        t.requests += 2  # WAIT (answered once the key exists) + GET
         t.out += (1 + 8 + _key(key)) + (1 + _key(key))
         t.inb += 1 + 8 + len(raw)
         self._saw(key, raw)
@@ -233,18 +308,18 @@ class SharedStore:
         t.requests += 1
         t.out += 1 + _key(key) + 8
         t.inb += 8
-        return self._op.add(key, amount)
+        return self._conns()[0].add(key, amount)
 
     def append(self, key: str, value: Any) -> None:
         v = _as_bytes(value)
         t = self._t
         t.requests += 1
         t.out += 1 + _key(key) + 8 + len(v)
-        self._op.append(key, v)
+        self._conns()[0].append(key, v)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         e, d = _as_bytes(expected), _as_bytes(desired)
-        out = self._op.compare_set(key, e, d)
+        out = self._conns()[0].compare_set(key, e, d)
         t = self._t
         t.requests += 1
         t.out += 1 + _key(key) + 8 + len(e) + 8 + len(d)
@@ -256,26 +331,24 @@ class SharedStore:
         t.requests += 1
         t.out += 1 + 8 + sum(_key(k) for k in keys)
         t.inb += 1
-        return self._op.check(keys)
+        return self._conns()[0].check(keys)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         g = self._group
         if g is not None and g.arriving():
-            if keys[0].endswith("/decision"):
-                raise _Deferred()  # nothing was sent: the group sends this wait once it has arrived
-            g.hand_over()  # the leader blocks here: a new thread goes on with the group
+            g.hand_over()  # the leader blocks here (for "ready"): a new thread goes on with the group
         t = self._t
         t.requests += 1
         t.out += 1 + 8 + sum(_key(k) for k in keys)
         t.inb += 1
-        self._wait_conn.wait(keys, timeout)
+        self._conns()[1].wait(keys, timeout)
 
     def delete_key(self, key: str) -> bool:
         t = self._t
         t.requests += 1
         t.out += 1 + _key(key)
         t.inb += 8
-        return self._op.delete_key(key)
+        return self._conns()[0].delete_key(key)
 
 
 def _share_decoding() -> None:
@@ -359,8 +432,12 @@ class Group:
     def arriving(self) -> bool:
         return getattr(self._tls, "arriving", False)
 
+    def leading(self) -> bool:
+        return getattr(self._tls, "leading", False)
+
     def hand_over(self) -> None:
         self._tls.arriving = False  # this thread stays with the leader
+        self._tls.leading = True  # and uses the leader connection from now on (see SharedStore)
         self.leader_thread = threading.current_thread()
         self.thread = threading.Thread(target=self.run, args=(True,), name=self.name + "+", daemon=True)
         self.thread.start()
@@ -409,7 +486,7 @@ class Group:
                 try:
                     decision = rs.main.barrier(i + 1, rs.rank, job.world_size[i], False, job.decide_fn(i, rs), job.timeout_s)
                 except _Deferred:
-                    rs.main.ops -= 1  # wait_key counted the wait it did not send; wait_decision counts it again
+                    rs.main.ops -= 1  # get_blocking counted the get it did not send; wait_decision counts it again
                     self.deferred.append(rs)
                     continue
                 assert decision is not None
@@ -521,7 +598,9 @@ class SimJob:
         return RestartProtocol(SharedStore(c, c, tally, None), self.call)
 
     def _kill(self, restart: int) -> None:
-        """Rank faulty[restart] died: its monitor reports it and arrives for it at the barrier."""
+        """Rank faulty[restart] died: its monitor counts it out (``count_out``, as
+        ``inprocess.monitor`` does): takes its seat, records the fault, requests
+        the restart and arrives for it at the barrier."""
         rank = self.faulty[restart]
         rs = self.sims[rank]
         p, tally = rs.main, rs.m_tally
@@ -529,8 +608,15 @@ class SimJob:
         p.store = SharedStore(self.conns.control, self.conns.control, tally, None)
         ops0, before = p.ops, tally.snapshot()
         t0 = time.monotonic_ns()
-        p.report_fault(FaultRecord(rank, restart, "killed", "SIGKILL", "simulated: process killed", t_ns=t0))
-        p.barrier(restart + 1, rank, self.world_size[restart], True, None, self.timeout_s)
+
+        def fault(iteration: int) -> FaultRecord:
+            return FaultRecord(rank, iteration, "killed", "SIGKILL", "simulated: process killed", t_ns=t0)
+
+        # A real monitor reads the previous barrier's decision for the expected
+        # count (one blocking get); the simulator knows it.
+        barrier = p.count_out(rank, fault, lambda b: self.world_size[b - 1], self.timeout_s)
+        if barrier != restart + 1:
+            raise RuntimeError(f"rank {rank} was counted out at barrier {barrier}, expected {restart + 1}")
         after = tally.snapshot()
         self.reporters[restart] = [t0, p.ops - ops0, *(a - b for a, b in zip(after, before))]
 
@@ -553,7 +639,62 @@ class SimJob:
             if self.errors:
                 raise RuntimeError("; ".join(self.errors[:5]))
 
+    def seed_seats(self) -> None:
+        """Setup, not measured: seat every rank of this process at barrier 0.
+
+        A real job's initial barrier (barrier 0) leaves every rank's seat at
+        "0"; the simulated restarts start at barrier 1 and need that state.
+        Written with ``multi_set`` over the control connection, outside any
+        rank's tally and before the first steady-state window.
+        """
+        keys = [RestartProtocol(None, self.call).seat_key(r) for r in range(self.lo, self.hi)]
+        for k in range(0, len(keys), 4096):
+            chunk = keys[k:k + 4096]
+            self.conns.control.multi_set(chunk, ["0"] * len(chunk))
+
+    # -- monitor heartbeats (steady state) ----------------------------------------
+
+    def _heartbeat_keys(self) -> list[str]:
+        return [monitor_heartbeat_key(self.call, r) for r in range(self.lo, self.hi)]
+
+    def heartbeat_round(self) -> dict[str, Any]:
+        """What every monitor of this process sends once per heartbeat interval:
+        one ``add`` of its own counter and one ``multi_get`` of the counters of
+        the next WATCHED_PEERS ranks (as ``inprocess.monitor`` does), over the
+        groups' operation connections, one thread per group."""
+        peers = min(WATCHED_PEERS, self.n - 1)
+        tally = [0, 0]  # requests, bytes
+
+        def beat(conn: Any, ranks: list[int]) -> tuple[int, int]:
+            requests = out = 0
+            for r in ranks:
+                own = monitor_heartbeat_key(self.call, r)
+                conn.add(own, 1)
+                keys = [monitor_heartbeat_key(self.call, (r + k) % self.n) for k in range(1, peers + 1)]
+                values = conn.multi_get(keys)
+                # ADD; WAIT (answered at once: the keys exist) + MULTI_GET.
+                requests += 3
+                out += (1 + _key(own) + 8 + 8) + (1 + 8 + sum(_key(k) for k in keys) + 1)
+                out += 1 + 8 + sum(_key(k) for k in keys) + sum(8 + len(v) for v in values)
+            return requests, out
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
+            futures = [pool.submit(beat, self.conns.ops[k], [rs.rank for rs in g.ranks if self.alive_in(rs.rank, len(self.faulty))])
+                       for k, g in enumerate(self.groups)]
+            for f in futures:
+                r, b = f.result(self.timeout_s)
+                tally[0] += r
+                tally[1] += b
+        return {"hb_requests": tally[0], "hb_bytes": tally[1]}
+
     def start(self) -> dict[str, Any]:
+        self.seed_seats()
+        # Setup, not measured: every monitor's counter exists (a monitor creates
+        # it when it starts, before its rank's first barrier).
+        keys = self._heartbeat_keys()
+        for k in range(0, len(keys), 4096):
+            chunk = keys[k:k + 4096]
+            self.conns.control.multi_set(chunk, ["1"] * len(chunk))
         for g in self.groups:
             g.thread.start()
         self._wait_for(lambda: self.armed[0] == len(self.groups), "groups armed")
@@ -638,6 +779,9 @@ def client_main() -> None:
             elif what == "fault":
                 assert job is not None
                 send(job.fault(cmd["restart"]))
+            elif what == "heartbeats":
+                assert job is not None
+                send(job.heartbeat_round())
             elif what == "complete":
                 assert job is not None
                 job.complete(cmd["iteration"])
@@ -829,6 +973,18 @@ class Session:
             r["server_cpu_ms"] = 1e3 * (cpu_c - cpu_fault)
             r["client_cpu_ms"] = 1e3 * (ccpu_c - ccpu_fault)
             restarts.append(r)
+        # Steady state: one heartbeat interval's worth of monitor requests, sent
+        # as fast as the clients can, to measure their server CPU.
+        hb = []
+        for _ in range(cfg.heartbeat_rounds):
+            time.sleep(cfg.settle_s)
+            cpu_a, t_a = self.server_cpu(), time.monotonic()
+            for c in clients:
+                c.send({"cmd": "heartbeats"})
+            got = [c.answer(cfg.timeout_s, "heartbeat round") for c in clients]
+            cpu_b, t_b = self.server_cpu(), time.monotonic()
+            hb.append({"requests": sum(g["hb_requests"] for g in got), "bytes": sum(g["hb_bytes"] for g in got),
+                       "server_cpu_ms": 1e3 * (cpu_b - cpu_a), "wall_ms": 1e3 * (t_b - t_a)})
         clients[0].ask({"cmd": "complete", "iteration": cfg.restarts}, cfg.timeout_s, "complete")
         for c in clients:
             c.send({"cmd": "end"})
@@ -836,7 +992,7 @@ class Session:
             final = c.answer(cfg.timeout_s, "end of job")
             if final["alive_threads"] or final["errors"]:
                 raise RuntimeError(f"pid {c.proc.pid}: {final['alive_threads']} rank threads left, {final['errors']}")
-        return _summary(n, cfg, procs, self.connections, restarts)
+        return _summary(n, cfg, procs, self.connections, restarts, hb)
 
 
 def simulate(n: int, cfg: SimConfig) -> dict[str, Any]:
@@ -898,16 +1054,36 @@ def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: li
     }
 
 
-def _summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: list[dict[str, Any]],
+             hb: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n, "procs": procs, "connections": connections, "restarts": len(restarts)}
     for key, value in restarts[0].items():
         if isinstance(value, (int, float)) and key != "restart":
             out[key] = statistics.median(r[key] for r in restarts)
+    # Steady state, per heartbeat interval (cfg.heartbeat_interval_s): every
+    # monitor's add + multi_get (measured above), plus every trigger's blocking
+    # get re-sent once per WAIT_CHUNK_S (CANCEL_WAIT + a new WAIT).
+    monitors = n - (len(restarts) if cfg.kind == "killed" else 0)
+    if hb:
+        hb_requests = statistics.median(h["requests"] for h in hb)
+        hb_cpu_ms = statistics.median(h["server_cpu_ms"] for h in hb)
+        out["hb_requests_per_round"] = hb_requests
+        out["hb_server_cpu_ms"] = hb_cpu_ms
+        out["hb_wall_ms"] = statistics.median(h["wall_ms"] for h in hb)
+        out["hb_bytes_per_monitor"] = statistics.median(h["bytes"] for h in hb) / monitors
+        out["hb_server_cpu_us_per_request"] = 1e3 * hb_cpu_ms / hb_requests
+        rewaits = 2 * monitors / WAIT_CHUNK_S
+        out["steady_state_requests_per_s"] = hb_requests / cfg.heartbeat_interval_s + rewaits
+        out["steady_state_server_cpu_pct"] = 100.0 * (
+            hb_cpu_ms / 1e3 / cfg.heartbeat_interval_s
+            + rewaits * out["hb_server_cpu_us_per_request"] / 1e6
+        )
     out["worst_max_ms"] = max(r["max_ms"] for r in restarts)
     out["server_cpu_us_per_rank"] = 1e3 * out["server_cpu_ms"] / n
     out["server_cpu_us_per_request"] = 1e3 * out["server_cpu_ms"] / out["requests_total"]
     out["load_average"] = os.getloadavg()[0]
     out["all_agree"] = True  # _restart_figures raises otherwise
+    out["heartbeat_interval_s"] = cfg.heartbeat_interval_s
     out["per_restart"] = restarts
     return out
 
@@ -931,16 +1107,28 @@ COLUMNS = [
     ("server CPU ms", "server_cpu_ms", "{:.0f}"),
     ("server CPU us/req", "server_cpu_us_per_request", "{:.1f}"),
     ("client CPU ms", "client_cpu_ms", "{:.0f}"),
-    ("steady req/s", "steady_requests_per_s", "{:g}"),
-    ("steady server CPU %", "steady_server_cpu_pct", "{:.1f}"),
     ("assign ms", "assignment_ms", "{:.1f}"),
     ("decode ms", "decode_ms", "{:.2f}"),
 ]
 
+# Steady state: no restart under way.
+STEADY_COLUMNS = [
+    ("N", "n", "{:d}"),
+    ("idle req/s", "steady_requests_per_s", "{:g}"),
+    ("idle server CPU %", "steady_server_cpu_pct", "{:.1f}"),
+    ("heartbeat requests/round", "hb_requests_per_round", "{:.0f}"),
+    ("B/monitor/round", "hb_bytes_per_monitor", "{:.0f}"),
+    ("round server CPU ms", "hb_server_cpu_ms", "{:.0f}"),
+    ("server CPU us/req", "hb_server_cpu_us_per_request", "{:.1f}"),
+    ("steady req/s", "steady_state_requests_per_s", "{:.0f}"),
+    ("steady server CPU %", "steady_state_server_cpu_pct", "{:.2f}"),
+]
 
-def table(results: list[dict[str, Any]], markdown: bool = False) -> str:
-    head = [c[0] for c in COLUMNS]
-    rows = [[fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in results]
+
+def table(results: list[dict[str, Any]], markdown: bool = False, columns: Optional[list[tuple[str, str, str]]] = None) -> str:
+    columns = COLUMNS if columns is None else columns
+    head = [c[0] for c in columns]
+    rows = [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in columns] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -993,6 +1181,10 @@ def write_markdown(results: list[dict[str, Any]], path: str, cfg: SimConfig, com
         "",
         table(results, markdown=True),
         "",
+        f"Steady state (no restart; heartbeat interval {cfg.heartbeat_interval_s:g} s, the Wrapper's default):",
+        "",
+        table(results, markdown=True, columns=STEADY_COLUMNS),
+        "",
         *[f"- {line}" for line in lines],
         "",
         f"![control-plane time against N]({os.path.relpath(png, os.path.dirname(os.path.abspath(path)))})",
@@ -1040,13 +1232,24 @@ def verdicts(results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
             f"{b['server_cpu_ms']:.0f} ms of CPU ({b['server_cpu_us_per_request']:.1f} us per request, "
             f"{b['requests_per_rank_median']:g} requests per rank)"
         )
-    lines.append(
-        "steady state: the protocol sends nothing periodically; each rank's trigger keeps one blocking wait on "
-        f"its iteration's event key, re-sent every {WAIT_CHUNK_S:g} s (WAIT_CHUNK_S), i.e. at most "
-        f"N/{WAIT_CHUNK_S:g} requests/s (55/s at 16,384); per heartbeat interval: 0 store requests "
-        "(heartbeats stay in the rank's shared-memory page)"
-    )
+    last = results[-1]
+    if "steady_state_requests_per_s" in last:
+        lines.append(
+            f"steady state at {last['n']} ranks: {last['steady_state_requests_per_s']:.0f} requests/s, "
+            f"{last['steady_state_server_cpu_pct']:.2f} % of the server's core: per heartbeat interval "
+            f"({cfg_interval(results)}) every monitor sends one add and one multi_get of {WATCHED_PEERS} peers' "
+            f"counters (3 requests on the wire: ADD, WAIT, MULTI_GET; measured "
+            f"{last['hb_server_cpu_us_per_request']:.1f} us of server CPU each), and every trigger re-sends its "
+            f"blocking get once per {WAIT_CHUNK_S:g} s (CANCEL_WAIT + WAIT); the restart protocol sends nothing "
+            f"else between restarts (measured with every trigger parked: {last['steady_requests_per_s']:g} "
+            f"requests/s). During a restart: {last['server_requests_per_s']:.0f} requests/s "
+            f"({last['requests_total']:.0f} requests in {last['max_ms']:.0f} ms)"
+        )
     return scaling, lines
+
+
+def cfg_interval(results: list[dict[str, Any]]) -> str:
+    return f"{results[-1].get('heartbeat_interval_s', 30.0):g} s"
 
 
 def _torch_version() -> str:
@@ -1067,14 +1270,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--restarts", type=int, default=d.restarts, help="restarts per N (medians are over them)")
     ap.add_argument("--kind", choices=["killed", "exception"], default=d.kind)
     ap.add_argument("--decode", choices=["shared", "every-rank"], default=d.decode)
-    ap.add_argument("--steady-s", type=float, default=d.steady_s, help="steady-state window before each fault")
+    ap.add_argument("--steady-s", type=float, default=d.steady_s, help="idle window measured before each fault")
+    ap.add_argument("--heartbeat-rounds", type=int, default=d.heartbeat_rounds,
+                    help="rounds of monitor heartbeats measured per N (0: none)")
+    ap.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
+                    help="heartbeat interval the steady-state figures are given for")
     ap.add_argument("--timeout-s", type=float, default=d.timeout_s)
     ap.add_argument("--no-write", action="store_true", help="print only; do not write the PNG and markdown")
     ap.add_argument("--png", default=DEFAULT_PNG)
     ap.add_argument("--md", default=DEFAULT_MD)
     args = ap.parse_args(argv)
     cfg = SimConfig(procs=args.procs, groups=args.groups, restarts=args.restarts,
-                    kind=args.kind, decode=args.decode, steady_s=args.steady_s, timeout_s=args.timeout_s)
+                    kind=args.kind, decode=args.decode, steady_s=args.steady_s, timeout_s=args.timeout_s,
+                    heartbeat_rounds=args.heartbeat_rounds, heartbeat_interval_s=args.heartbeat_interval_s)
     results = []
     t = time.monotonic()
     with Session(cfg) as session:
@@ -1088,6 +1296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"N={n}: median {r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms ({r['run_s']:.0f}s)",
                   file=sys.stderr, flush=True)
     print(table(results))
+    print(table(results, columns=STEADY_COLUMNS))
     scaling, lines = verdicts(results)
     for line in lines:
         print(line)
