@@ -1175,7 +1175,7 @@ def write_markdown(results: list[dict[str, Any]], path: str, cfg: SimConfig, com
         MD_BEGIN,
         "",
         f"Command: `{command}` — {os.cpu_count()} cores, torch {_torch_version()}, "
-        f"{cfg.procs} client processes x {cfg.groups} groups (2 connections each), "
+        f"{cfg.procs} client processes x {cfg.groups} groups (2 connections each; plus a leader and a control connection per process), "
         f"fault kind `{cfg.kind}`, median of {cfg.restarts} restarts per N, decode `{cfg.decode}`; "
         f"1-minute load average during the runs: {load}.",
         "",
