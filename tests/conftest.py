@@ -33,6 +33,22 @@ class JobResult:
         return log
 
 
+def assert_excluded(res: "JobResult", excluded: int, fault_kinds: set[str]) -> dict[str, Any]:
+    """``excluded`` left the job in iteration 0; every other rank finished
+    iteration 1 with one rank fewer. Returns the first restart's record."""
+    others = [r for r in range(res.job.world_size) if r != excluded]
+    for r in others:
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, f"rank {r}:\n{res.describe()}"
+        assert log["result"]["iteration"] == 1
+        assert log["iterations"][-1]["world_size"] == res.job.world_size - 1
+    restart = res.rank(others[0])["restarts"][0]
+    assert restart["terminated"] == [excluded], restart
+    kinds = {f["kind"] for f in restart["faults"] if f["rank"] == excluded}
+    assert kinds and kinds <= fault_kinds, restart
+    return restart
+
+
 def run_job(
     tmp_path: pathlib.Path,
     plan: dict[str, Any],
