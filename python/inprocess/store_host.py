@@ -19,7 +19,7 @@ It lives exactly as long as the job needs it:
   scheduler), and a server nobody uses must not stay behind;
 - SIGTERM/SIGINT stop it at once.
 
-Memory: it imports torch for the server (about 200 MB RSS once per job, not
+Memory: it imports torch for the server (about 220 MB RSS once per job, not
 per rank). Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` the agent
 already hosts a server that outlives the training processes, and no store host
 is started.
