@@ -27,7 +27,7 @@ import torch.distributed as dist
 import inprocess
 from inprocess import protocol
 from inprocess.membership import ACTIVE, TERMINATED, Membership
-from inprocess.protocol import RESTART, Decision, FaultRecord, RestartProtocol, decide
+from inprocess.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 from inprocess.tcpstore_client import TCPStoreClient
 
@@ -343,3 +343,19 @@ def test_blocking_get_is_one_call_and_waits_stay_cancellable(
     # The connection is still good after the cancelled gets.
     server.set("after", "1")
     assert store.get("after") == b"1"
+
+
+@pytest.mark.timeout(60)
+def test_an_active_rank_waits_for_the_event_without_reading_it() -> None:
+    """Before it counts itself completed, an active rank knows the event can only
+    be "restart": one wait, no get (one request on the wire instead of two).
+    Once it may be "complete", the value is read."""
+    store = MemoryStore()
+    view = CountingView(store)
+    p = RestartProtocol(view)
+    RestartProtocol(store).request_restart(0)
+    assert p.wait_event(0, 5, None, only_restart=lambda: True) == RESTART
+    assert view.calls == p.ops == 1  # the wait alone
+    RestartProtocol(store).arrive_completed(1, 1)  # iteration 1 completed
+    assert p.wait_event(1, 5, None, only_restart=lambda: False) == COMPLETE
+    assert view.calls == p.ops == 1 + 2  # the wait, then the get

@@ -369,10 +369,30 @@ class RestartProtocol:
         return self.request_restart(record.iteration)
 
     def wait_event(
-        self, iteration: int, timeout: Optional[float], cancelled: Optional[Callable[[], bool]] = None
+        self,
+        iteration: int,
+        timeout: Optional[float],
+        cancelled: Optional[Callable[[], bool]] = None,
+        only_restart: Optional[Callable[[], bool]] = None,
     ) -> str:
+        """The event of ``iteration``, once it is set.
+
+        ``only_restart()``, asked once the key exists, says whether the event
+        can only be "restart": true for an active rank that has not counted
+        itself completed, since "complete" needs every active rank's count.
+        Then the value is not read: one ``wait`` (one request on the wire)
+        instead of a blocking ``get`` (two).
+        """
         key = self.key(iteration, "event")
-        value = self.get_blocking(key, timeout, f"iteration {iteration} outcome", cancelled).decode()
+        what = f"iteration {iteration} outcome"
+        if only_restart is not None:
+            self.wait_key(key, timeout, what, cancelled)
+            if only_restart():
+                return RESTART
+            self.ops += 1
+            value = self.store.get(key).decode()
+        else:
+            value = self.get_blocking(key, timeout, what, cancelled).decode()
         if value not in (RESTART, COMPLETE):
             raise InternalError(f"iteration {iteration} event holds {value!r}, expected {RESTART!r} or {COMPLETE!r}")
         return value

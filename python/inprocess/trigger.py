@@ -34,6 +34,13 @@ class IterationOutcome:
         self.aborted_ns = 0
         self.abort_error: Optional[BaseException] = None
         self.done = threading.Event()  # set once the outcome is known and, on restart, the abort ran
+        # An active rank runs the function: until its main thread counts it
+        # completed, the event can only be "restart" (see RestartProtocol.wait_event).
+        self.active = False
+        self.completing = False
+
+    def only_restart(self) -> bool:
+        return self.active and not self.completing
 
 
 class RestartTrigger:
@@ -56,8 +63,9 @@ class RestartTrigger:
         self._thread = threading.Thread(target=self._loop, name="inprocess-restart-trigger", daemon=True)
         self._thread.start()
 
-    def arm(self, iteration: int) -> IterationOutcome:
+    def arm(self, iteration: int, active: bool = False) -> IterationOutcome:
         outcome = IterationOutcome(iteration)
+        outcome.active = active
         with self._cond:
             if self._armed is not None and not self._armed.done.is_set():
                 raise RuntimeError(f"trigger armed for iteration {iteration} while {self._armed.iteration} is open")
@@ -90,7 +98,9 @@ class RestartTrigger:
             if outcome is None:
                 return
             try:
-                outcome.event = self._protocol.wait_event(outcome.iteration, None, lambda: self._stopping)
+                outcome.event = self._protocol.wait_event(
+                    outcome.iteration, None, lambda: self._stopping, outcome.only_restart
+                )
             except BaseException as e:  # store gone, or stopping: the main thread decides
                 log.debug("restart trigger stopped waiting on iteration %d: %s", outcome.iteration, e)
                 outcome.abort_error = e

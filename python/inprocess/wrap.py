@@ -354,7 +354,7 @@ class CallWrapper:
             while True:
                 i = self.state.iteration
                 self._interrupter.reset()  # type: ignore[union-attr]
-                outcome = self._trigger.arm(i)  # type: ignore[union-attr]
+                outcome = self._trigger.arm(i, active=self.state.mode == Mode.ACTIVE)  # type: ignore[union-attr]
                 log.debug("iteration %d: rank %d runs as %s", i, self.state.initial_rank, self.state.mode.name)
                 if self.state.mode == Mode.ACTIVE:
                     completed, value = self._run_active(fn, args, kwargs, outcome)
@@ -421,6 +421,7 @@ class CallWrapper:
             return False, None
         # The function returned: wait until it returned on every active rank.
         self._set_phase(_Phase.COMPLETION)
+        outcome.completing = True  # before the count: from now on the event may be "complete"
         self._protocol.arrive_completed(s.iteration, s.active_world_size)  # type: ignore[union-attr]
         timeout = _seconds(self._w.timeouts.completion_timeout)
         if not outcome.done.wait(timeout):
