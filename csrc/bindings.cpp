@@ -50,7 +50,6 @@ void register_heartbeat(py::module_& m) {
 
   m.attr("FLAG_MANUAL_ARMED") = py::int_(static_cast<uint32_t>(inprocess::kManualArmed));
   m.attr("FLAG_HANG_PROTECTION_OFF") = py::int_(static_cast<uint32_t>(inprocess::kHangProtectionOff));
-  m.attr("FLAG_ARRIVED_AT_BARRIER") = py::int_(static_cast<uint32_t>(inprocess::kArrivedAtBarrier));
 
   py::class_<HeartbeatSnapshot>(m, "HeartbeatSnapshot")
       .def_readonly("pid", &HeartbeatSnapshot::pid)

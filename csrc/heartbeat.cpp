@@ -178,7 +178,7 @@ void HeartbeatPage::begin_iteration(int64_t iteration, int64_t world_size) noexc
   page_->world_size.store(world_size, std::memory_order_relaxed);
   page_->auto_progress_ns.store(now, std::memory_order_relaxed);
   page_->manual_progress_ns.store(now, std::memory_order_relaxed);
-  page_->flags.fetch_and(~(kManualArmed | kArrivedAtBarrier), std::memory_order_acq_rel);
+  page_->flags.fetch_and(~kManualArmed, std::memory_order_acq_rel);
   page_->iteration.store(iteration, std::memory_order_release);
 }
 

@@ -25,7 +25,7 @@ enum class Phase : int32_t {
 enum HeartbeatFlag : uint32_t {
   kManualArmed = 1u << 0,        // ping() was called in this iteration
   kHangProtectionOff = 1u << 1,  // inside CallWrapper.disable_hang_protection()
-  kArrivedAtBarrier = 1u << 2,   // the rank itself arrived at this iteration's barrier
+  // 1u << 2 was "arrived at barrier": the store's per-rank seat replaced it.
 };
 
 constexpr uint64_t kHeartbeatMagic = 0x696e70726f630001ULL;  // "inproc" + version 1

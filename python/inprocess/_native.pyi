@@ -19,7 +19,6 @@ class Phase(enum.Enum):
 
 FLAG_MANUAL_ARMED: int
 FLAG_HANG_PROTECTION_OFF: int
-FLAG_ARRIVED_AT_BARRIER: int
 
 class HeartbeatSnapshot:
     @property

@@ -538,21 +538,15 @@ class RestartProtocol:
         terminated: bool,
         decide: Optional[DecideFn],
         timeout: float,
-        on_arrived: Optional[Callable[[], None]] = None,
         seat_taken: bool = False,
     ) -> Optional[Decision]:
         """Arrive at barrier ``iteration`` and return its decision.
-
-        ``on_arrived`` runs as soon as this arrival is counted, before any wait
-        (the rank marks it on its heartbeat page for its monitor).
 
         A terminated arrival (``decide`` may be None) returns None at once: it
         never waits and never leads. If every rank arrived terminated, the
         arrival that completes the count ends the job's keys.
         """
         healthy, dead, complete = self.arrive(iteration, initial_rank, expected, terminated, seat_taken)
-        if on_arrived is not None:
-            on_arrived()
         log.debug("barrier %d: rank %d arrived (healthy=%d, terminated=%d)", iteration, initial_rank, healthy, dead)
         if terminated:
             if complete and healthy == 0:

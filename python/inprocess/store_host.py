@@ -104,7 +104,7 @@ class _JobLiveness:
                     self.last_progress = now  # a counter that appeared is news
             if self.known:
                 values = self.store.multi_get([monitor_heartbeat_key(call, r) for r in self.known])
-                if values != self.values[: len(values)] or len(values) != len(self.values):
+                if values != self.values:
                     self.last_progress = now
                 self.values = values
         return now - self.last_progress

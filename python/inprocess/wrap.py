@@ -480,8 +480,7 @@ class CallWrapper:
         s = self.state
         try:
             return self._protocol.barrier(  # type: ignore[union-attr]
-                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout),
-                on_arrived=self._mark_arrived,
+                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
             )
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
@@ -561,11 +560,7 @@ class CallWrapper:
         if t.kind not in ("discarded", "abort_job", "counted_out") and self._membership is not None:
             try:
                 p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, t.kind, exc))
-                # Arrive at the next barrier as terminated, so nobody waits for this rank.
-                p.barrier(s.iteration + 1, s.initial_rank, s.world_size, True, self._decide,
-                          _seconds(self._w.timeouts.barrier_timeout))
-            except SeatTaken:
-                log.info("rank %d was counted out by another process already", s.initial_rank)
+                self._arrive_terminated(p, s.iteration)
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.
@@ -685,6 +680,11 @@ class CallWrapper:
         s = self.state
         e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
+        self._arrive_terminated(p, iteration)
+
+    def _arrive_terminated(self, p: RestartProtocol, iteration: int) -> None:
+        """Count this rank out at the barrier after ``iteration``, so nobody waits for it."""
+        s = self.state
         try:
             p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
         except SeatTaken:
@@ -787,13 +787,6 @@ class CallWrapper:
             with _current_lock:
                 if _current is self:
                     _current = None
-
-    def _mark_arrived(self) -> None:
-        """Tells a monitor that this rank counted itself in at the current barrier
-        (so that, if the rank dies now, the monitor does not count it twice)."""
-        hb = self._heartbeat
-        if hb is not None:
-            hb.set_flag(_native.FLAG_ARRIVED_AT_BARRIER, True)
 
     def _set_phase(self, phase: Any) -> None:
         hb = self._heartbeat
