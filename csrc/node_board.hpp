@@ -1,0 +1,183 @@
+#pragma once
+
+// The node board: one region of shared memory per node, through which the
+// node agent and the training ranks of that node (and their monitor
+// processes) exchange the restart control plane without a round trip to the
+// central TCPStore. The agent posts the restart event, the leader of each
+// barrier and the barrier's decision; each rank posts its arrival at a
+// barrier. Every word is a lock-free atomic in the mapping, and waiters sleep
+// on shared futexes, so a post wakes a waiter in another process directly.
+//
+// The board is a cache of the store, never the authority: a waiter that
+// times out, or finds the board closed, falls back to the store.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+namespace inprocess {
+
+constexpr uint64_t kBoardMagic = 0x696e626f61726401ULL;  // "inboard" + layout version 1
+constexpr uint32_t kBoardVersion = 1;
+
+// Fixed binary layout of the board's first bytes (design principle 5: no
+// pickle). The creator writes the plain fields before anyone can map the
+// board; they never change afterwards. Futex words are 32-bit because the
+// kernel compares and sleeps on 32 bits only.
+struct BoardHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t slots;
+  uint32_t decision_capacity;
+  int32_t agent_pid;                      // the creator (the node agent)
+  std::atomic<uint32_t> closed;           // 1 once the agent closed the board: waits return kClosed
+  std::atomic<uint32_t> notice;           // futex: bumped by every post of the agent (event, role, decision, close)
+  std::atomic<uint32_t> arrival;          // futex: bumped by every arrival (and by close)
+  uint32_t reserved;
+  std::atomic<int64_t> event;             // -1, else max over posts of 2 * iteration + complete
+  std::atomic<int64_t> agent_beats;       // the agent's heartbeat counter
+  std::atomic<uint64_t> decision_seq;     // seqlock over the decision: odd while a writer is inside
+  std::atomic<int64_t> decision_barrier;  // -1 until a decision is posted
+  std::atomic<int64_t> decision_length;   // bytes, or kDecisionOverflow
+};
+
+// One per training rank of the node (its local slot).
+struct BoardSlot {
+  std::atomic<int64_t> arrival;  // 0: never arrived; else 2 * (barrier + 1) + terminated
+  std::atomic<int64_t> role;     // 0: none; else barrier + 1: this slot leads `barrier`
+};
+
+static_assert(std::is_standard_layout_v<BoardHeader> && std::is_standard_layout_v<BoardSlot>,
+              "the board layout is a binary format");
+static_assert(sizeof(BoardHeader) == 80 && sizeof(BoardSlot) == 16, "the board layout must not drift");
+static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == sizeof(uint32_t),
+              "a futex word must be a plain 32-bit word");
+static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free");
+
+// A rank's arrival as read back from its slot.
+struct BoardArrival {
+  int64_t barrier = 0;
+  bool terminated = false;
+};
+
+// The latest decision on the board. `overflow`: it did not fit in the board
+// (data is empty); the reader takes it from the store.
+struct BoardDecision {
+  int64_t barrier = 0;
+  bool overflow = false;
+  std::string data;
+};
+
+// The board of one node: memfd, mode 0600, no name in /dev/shm. The agent
+// creates it and hands the descriptor to the ranks it starts; a rank hands it
+// on to its monitor process. Every process maps the same memory.
+class NodeBoard {
+ public:
+  static constexpr int64_t kMinSlots = 1;
+  static constexpr int64_t kMaxSlots = 65536;
+  static constexpr int64_t kMinDecisionCapacity = 1024;
+  static constexpr int64_t kMaxDecisionCapacity = int64_t{64} << 20;
+  // The largest iteration or barrier whose encoded word (2 * (barrier + 1) + 1
+  // at most) still fits in an int64.
+  static constexpr int64_t kMaxIndex = (int64_t{1} << 62) - 2;
+  static constexpr int64_t kDecisionOverflow = -2;
+  // A deadline that never passes.
+  static constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
+
+  // Results of the waits. Closure wins: on a closed board every wait returns
+  // kClosed, even where its condition holds (the agent is gone, and what it
+  // left on the board is no longer kept in step with the store).
+  static constexpr int kRestart = 0;   // wait_event
+  static constexpr int kComplete = 1;  // wait_event
+  static constexpr int kLeader = 1;    // wait_outcome: the slot leads the barrier
+  static constexpr int kDecided = 2;   // wait_outcome: a decision for the barrier (or a later one) is posted
+  static constexpr int kTimeout = -1;
+  static constexpr int kClosed = -2;
+  static constexpr int kInterrupted = -3;  // only with return_on_signal: a signal arrived (EINTR)
+
+  // A fresh board; the caller's pid is recorded as the agent's. Throws
+  // std::invalid_argument when an argument is out of range.
+  static NodeBoard create(int64_t slots, int64_t decision_capacity);
+  // Maps the board behind `fd` through a duplicate of it: the caller keeps
+  // (and closes) its own descriptor. Throws std::invalid_argument when `fd`
+  // holds no board of this version.
+  static NodeBoard attach(int fd);
+
+  NodeBoard(NodeBoard&& other) noexcept;
+  NodeBoard& operator=(NodeBoard&& other) noexcept;
+  NodeBoard(const NodeBoard&) = delete;
+  NodeBoard& operator=(const NodeBoard&) = delete;
+  ~NodeBoard();
+
+  // A CLOCK_MONOTONIC deadline `timeout_ns` from now (negative: now); a
+  // deadline beyond the int64 range is kNoDeadline.
+  static int64_t deadline_after(int64_t timeout_ns) noexcept;
+
+  int fd() const;  // -1 once unmapped
+  bool mapped() const;
+  uint32_t slots() const noexcept { return slots_; }
+  uint32_t decision_capacity() const noexcept { return decision_capacity_; }
+  int32_t agent_pid() const noexcept { return agent_pid_; }
+
+  // Everything below throws std::runtime_error once unmapped,
+  // std::out_of_range for a slot outside [0, slots) and std::invalid_argument
+  // for an iteration or barrier outside [0, kMaxIndex].
+
+  // Closed by the agent: every wait, in every process, returns kClosed.
+  bool closed() const;
+  void close();
+  // Unmaps this process's view and closes its descriptor. A wait still
+  // running in another thread keeps the memory mapped until it returns.
+  void unmap() noexcept;
+
+  // The event word never goes back: a post older than the word is ignored.
+  void post_event(int64_t iteration, bool complete);
+  int64_t event() const;
+  // Until the event word reaches iteration `iteration`: kComplete if it says
+  // this iteration completed, else kRestart (a later iteration exists only if
+  // this one restarted); kTimeout at `deadline_ns`; kClosed.
+  int wait_event(int64_t iteration, int64_t deadline_ns, bool return_on_signal = false) const;
+
+  void arrive(int64_t slot, int64_t barrier, bool terminated);
+  std::optional<BoardArrival> slot_arrival(int64_t slot) const;
+  uint32_t arrival_seq() const;
+  // Until the arrival sequence differs from `seen_seq` (in [0, 2^32)):
+  // returns the new sequence; kTimeout; kClosed (even if the sequence moved).
+  int64_t wait_arrivals(int64_t seen_seq, int64_t deadline_ns, bool return_on_signal = false) const;
+
+  void set_leader(int64_t slot, int64_t barrier);
+  // Posts the decision of `barrier`. Data larger than the capacity is not an
+  // error: the board then records an overflow and readers go to the store.
+  void post_decision(int64_t barrier, const void* data, size_t size);
+  // A consistent snapshot of the latest decision; nullopt before the first.
+  std::optional<BoardDecision> read_decision() const;
+  // Until `slot` leads `barrier` (kLeader, checked first) or the posted
+  // decision is for `barrier` or later (kDecided); kTimeout; kClosed.
+  int wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, bool return_on_signal = false) const;
+
+  int64_t beat();  // the agent's heartbeat: returns the new count
+  int64_t beats() const;
+
+  // The mapping and the views into it; shared with every wait in flight.
+  struct Mapping;
+
+ private:
+  NodeBoard(int fd, std::shared_ptr<Mapping> mapping) noexcept;
+  std::shared_ptr<Mapping> mapping() const;  // throws once unmapped
+
+  mutable std::mutex mu_;  // guards fd_ and mapping_ against unmap() from another thread
+  int fd_ = -1;
+  std::shared_ptr<Mapping> mapping_;
+  uint32_t slots_ = 0;
+  uint32_t decision_capacity_ = 0;
+  int32_t agent_pid_ = 0;
+};
+
+}  // namespace inprocess
