@@ -220,15 +220,15 @@ void register_node_board(py::module_& m) {
             return wait_releasing_gil([&] { return b.wait_event(iteration, deadline, true); });
           },
           py::arg("iteration"), py::arg("timeout_s"), "0 restart, 1 complete, -1 timeout, -2 closed.")
-      .def("arrive", &NodeBoard::arrive, py::arg("slot"), py::arg("barrier"), py::arg("terminated"))
+      .def("arrive", &NodeBoard::arrive, py::arg("slot"), py::arg("barrier"), py::arg("expected"))
       .def(
           "slot_arrival",
-          [](const NodeBoard& b, int64_t slot) -> std::optional<std::pair<int64_t, bool>> {
+          [](const NodeBoard& b, int64_t slot) -> std::optional<std::pair<int64_t, int64_t>> {
             const auto a = b.slot_arrival(slot);
             if (!a) return std::nullopt;
-            return std::make_pair(a->barrier, a->terminated);
+            return std::make_pair(a->barrier, a->expected);
           },
-          py::arg("slot"), "(barrier, terminated) of the slot's latest arrival, or None.")
+          py::arg("slot"), "(barrier, expected) of the slot's latest arrival, or None.")
       .def("arrival_seq", &NodeBoard::arrival_seq)
       .def(
           "wait_arrivals",
@@ -238,6 +238,9 @@ void register_node_board(py::module_& m) {
           },
           py::arg("seen_seq"), py::arg("timeout_s"), "The new arrival sequence, -1 timeout, -2 closed.")
       .def("set_leader", &NodeBoard::set_leader, py::arg("slot"), py::arg("barrier"))
+      .def("leads", &NodeBoard::leads, py::arg("slot"), "The barrier the slot was named to lead, -1 if none.")
+      .def("mark_forwarded", &NodeBoard::mark_forwarded, py::arg("slot"), py::arg("barrier"))
+      .def("forwarded", &NodeBoard::forwarded, py::arg("slot"), "The last barrier the agent counted the slot at, -1 if none.")
       .def(
           "post_decision",
           [](NodeBoard& b, int64_t barrier, const py::bytes& data) {

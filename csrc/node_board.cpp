@@ -413,19 +413,42 @@ int NodeBoard::wait_event(int64_t iteration, int64_t deadline_ns, bool return_on
   }));
 }
 
-void NodeBoard::arrive(int64_t slot, int64_t barrier, bool terminated) {
+void NodeBoard::arrive(int64_t slot, int64_t barrier, int64_t expected) {
   check_slot(slot, slots_);
-  check_index("barrier", barrier);
+  if (barrier < 0 || barrier >= (int64_t{1} << (62 - kExpectedBits))) {
+    throw std::invalid_argument("barrier " + std::to_string(barrier) + " out of range [0, " +
+                                std::to_string((int64_t{1} << (62 - kExpectedBits)) - 1) + "]");
+  }
+  if (expected < 1 || expected >= (int64_t{1} << kExpectedBits)) {
+    throw std::invalid_argument("expected " + std::to_string(expected) + " out of range [1, " +
+                                std::to_string((int64_t{1} << kExpectedBits) - 1) + "]");
+  }
   const std::shared_ptr<Mapping> m = mapping();
-  m->slots[slot].arrival.store(2 * (barrier + 1) + (terminated ? 1 : 0), std::memory_order_release);
+  m->slots[slot].arrival.store(((barrier + 1) << kExpectedBits) | expected, std::memory_order_release);
   bump_and_wake(m->header->arrival);
 }
 
 std::optional<BoardArrival> NodeBoard::slot_arrival(int64_t slot) const {
   check_slot(slot, slots_);
   const int64_t word = mapping()->slots[slot].arrival.load(std::memory_order_acquire);
-  if (word < 2) return std::nullopt;
-  return BoardArrival{word / 2 - 1, (word & 1) != 0};
+  if (word == 0) return std::nullopt;
+  return BoardArrival{(word >> kExpectedBits) - 1, word & ((int64_t{1} << kExpectedBits) - 1)};
+}
+
+int64_t NodeBoard::leads(int64_t slot) const {
+  check_slot(slot, slots_);
+  return mapping()->slots[slot].role.load(std::memory_order_acquire) - 1;
+}
+
+void NodeBoard::mark_forwarded(int64_t slot, int64_t barrier) {
+  check_slot(slot, slots_);
+  check_index("barrier", barrier);
+  mapping()->slots[slot].forwarded.store(barrier + 1, std::memory_order_release);
+}
+
+int64_t NodeBoard::forwarded(int64_t slot) const {
+  check_slot(slot, slots_);
+  return mapping()->slots[slot].forwarded.load(std::memory_order_acquire) - 1;
 }
 
 uint32_t NodeBoard::arrival_seq() const { return mapping()->header->arrival.load(std::memory_order_acquire); }

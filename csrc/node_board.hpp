@@ -48,14 +48,20 @@ struct BoardHeader {
 };
 
 // One per training rank of the node (its local slot).
+// Only healthy arrivals come through the board (a rank counted out arrives
+// at the store directly), so an arrival carries the count its barrier waits
+// for instead of a terminated bit: the agent forwards it without needing the
+// previous decision.
 struct BoardSlot {
-  std::atomic<int64_t> arrival;  // 0: never arrived; else 2 * (barrier + 1) + terminated
-  std::atomic<int64_t> role;     // 0: none; else barrier + 1: this slot leads `barrier`
+  std::atomic<int64_t> arrival;    // 0: never arrived; else (barrier + 1) << kExpectedBits | expected
+  std::atomic<int64_t> role;       // 0: none; else barrier + 1: this slot leads `barrier`
+  std::atomic<int64_t> forwarded;  // 0: none; else barrier + 1: the agent counted this slot at `barrier`
+  int64_t reserved;
 };
 
 static_assert(std::is_standard_layout_v<BoardHeader> && std::is_standard_layout_v<BoardSlot>,
               "the board layout is a binary format");
-static_assert(sizeof(BoardHeader) == 80 && sizeof(BoardSlot) == 16, "the board layout must not drift");
+static_assert(sizeof(BoardHeader) == 80 && sizeof(BoardSlot) == 32, "the board layout must not drift");
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == sizeof(uint32_t),
               "a futex word must be a plain 32-bit word");
 static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
@@ -64,8 +70,10 @@ static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>
 // A rank's arrival as read back from its slot.
 struct BoardArrival {
   int64_t barrier = 0;
-  bool terminated = false;
+  int64_t expected = 0;  // ranks the barrier counts
 };
+
+constexpr int kExpectedBits = 24;  // up to 16,777,215 ranks per job
 
 // The latest decision on the board. `overflow`: it did not fit in the board
 // (data is empty); the reader takes it from the store.
@@ -145,7 +153,8 @@ class NodeBoard {
   // this one restarted); kTimeout at `deadline_ns`; kClosed.
   int wait_event(int64_t iteration, int64_t deadline_ns, bool return_on_signal = false) const;
 
-  void arrive(int64_t slot, int64_t barrier, bool terminated);
+  // `expected` in [1, 2^24): the number of ranks barrier `barrier` counts.
+  void arrive(int64_t slot, int64_t barrier, int64_t expected);
   std::optional<BoardArrival> slot_arrival(int64_t slot) const;
   uint32_t arrival_seq() const;
   // Until the arrival sequence differs from `seen_seq` (in [0, 2^32)):
@@ -153,6 +162,12 @@ class NodeBoard {
   int64_t wait_arrivals(int64_t seen_seq, int64_t deadline_ns, bool return_on_signal = false) const;
 
   void set_leader(int64_t slot, int64_t barrier);
+  // The barrier `slot` was named to lead, -1 if none.
+  int64_t leads(int64_t slot) const;
+  // The agent records that its store count includes the slot's arrival at
+  // `barrier`; a rank that finds the agent gone counts itself only if not.
+  void mark_forwarded(int64_t slot, int64_t barrier);
+  int64_t forwarded(int64_t slot) const;  // -1 if never
   // Posts the decision of `barrier`. Data larger than the capacity is not an
   // error: the board then records an overflow and readers go to the store.
   void post_decision(int64_t barrier, const void* data, size_t size);

@@ -56,6 +56,7 @@ def run_job(
     timeout: float = 90.0,
     worker: str = "ddp_worker.py",
     env: Optional[dict[str, str]] = None,
+    ranks_per_node: Optional[int] = None,
 ) -> JobResult:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -67,7 +68,7 @@ def run_job(
     }
     job_env.update(env or {})
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    with LocalJob([str(WORKERS / worker)], world_size, env=job_env) as job:
+    with LocalJob([str(WORKERS / worker)], world_size, env=job_env, ranks_per_node=ranks_per_node) as job:
         job.wait(timeout)
         # Every rank has exited: what they started (monitors, the store host)
         # must go by itself, before the harness kills the process groups.

@@ -113,9 +113,9 @@ def test_create_attach_roundtrip(board: _native.NodeBoard) -> None:
         assert view.fd != board.fd  # its own duplicate
         assert (view.slots, view.decision_capacity, view.agent_pid) == (4, 4096, os.getpid())
         board.post_event(1, False)
-        view.arrive(2, 0, True)
+        view.arrive(2, 0, 7)
         assert view.event() == 2
-        assert board.slot_arrival(2) == (0, True)
+        assert board.slot_arrival(2) == (0, 7)
         assert view.beat() == 1 and board.beat() == 2 and view.beats() == 2
     finally:
         view.unmap()
@@ -166,7 +166,7 @@ def test_create_limits_are_inclusive() -> None:
     for slots, capacity in ((1, 1024), (65536, 64 * MIB)):
         b = _native.NodeBoard.create(slots, capacity)
         assert (b.slots, b.decision_capacity) == (slots, capacity)
-        b.arrive(slots - 1, 0, False)
+        b.arrive(slots - 1, 0, 3)
         b.post_decision(0, b"z" * capacity)
         assert b.read_decision() == (0, b"z" * capacity)
         b.unmap()
@@ -229,7 +229,7 @@ def test_attach_rejects_what_is_no_board(board: _native.NodeBoard) -> None:
 def test_indices_are_validated(board: _native.NodeBoard) -> None:
     for slot in (-1, 4, 1 << 40):
         for call, args in (
-            (board.arrive, (slot, 0, False)),
+            (board.arrive, (slot, 0, 3)),
             (board.slot_arrival, (slot,)),
             (board.set_leader, (slot, 0)),
             (board.wait_outcome, (slot, 0, 0)),
@@ -240,7 +240,6 @@ def test_indices_are_validated(board: _native.NodeBoard) -> None:
         for name, call, args in (
             ("iteration", board.post_event, (bad, False)),
             ("iteration", board.wait_event, (bad, 0)),
-            ("barrier", board.arrive, (0, bad, False)),
             ("barrier", board.set_leader, (0, bad)),
             ("barrier", board.post_decision, (bad, b"")),
             ("barrier", board.wait_outcome, (0, bad, 0)),
@@ -255,8 +254,27 @@ def test_indices_are_validated(board: _native.NodeBoard) -> None:
     # The largest index encodes without overflow.
     board.post_event(MAX_INDEX, True)
     assert board.wait_event(MAX_INDEX, 0) == 1
-    board.arrive(3, MAX_INDEX, True)
-    assert board.slot_arrival(3) == (MAX_INDEX, True)
+    max_arrival = (1 << 38) - 1  # an arrival packs the barrier with a 24-bit expected count
+    board.arrive(3, max_arrival, (1 << 24) - 1)
+    assert board.slot_arrival(3) == (max_arrival, (1 << 24) - 1)
+    for barrier, expected, name, bound in (
+        (-1, 1, "barrier", f"\\[0, {max_arrival}\\]"), (max_arrival + 1, 1, "barrier", f"\\[0, {max_arrival}\\]"),
+        (0, 0, "expected", f"\\[1, {(1 << 24) - 1}\\]"), (0, 1 << 24, "expected", f"\\[1, {(1 << 24) - 1}\\]"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name} {barrier if name == 'barrier' else expected} out of range {bound}"):
+            board.arrive(3, barrier, expected)
+
+
+def test_forwarded_and_leads_words() -> None:
+    board = _native.NodeBoard.create(4, 1024)
+    assert board.forwarded(1) == -1 and board.leads(1) == -1
+    board.mark_forwarded(1, 0)
+    board.set_leader(1, 4)
+    assert board.forwarded(1) == 0 and board.leads(1) == 4
+    board.mark_forwarded(1, 5)
+    assert board.forwarded(1) == 5 and board.forwarded(0) == -1
+    with pytest.raises(IndexError, match=r"slot 4 out of range \[0, 4\)"):
+        board.forwarded(4)
 
 
 # ---------------------------------------------------------------------------
@@ -308,14 +326,14 @@ def test_wait_event_results(board: _native.NodeBoard) -> None:
 def test_arrivals(board: _native.NodeBoard) -> None:
     assert board.slot_arrival(1) is None
     assert board.wait_arrivals(0, 0.05) == -1
-    board.arrive(1, 0, False)
-    assert board.slot_arrival(1) == (0, False)
+    board.arrive(1, 0, 3)
+    assert board.slot_arrival(1) == (0, 3)
     assert board.arrival_seq() == 1
     assert board.wait_arrivals(0, 10) == 1  # already moved: at once
-    board.arrive(1, 5, True)
-    board.arrive(0, 5, False)
-    assert board.slot_arrival(1) == (5, True)
-    assert board.slot_arrival(0) == (5, False)
+    board.arrive(1, 5, 7)
+    board.arrive(0, 5, 3)
+    assert board.slot_arrival(1) == (5, 7)
+    assert board.slot_arrival(0) == (5, 3)
     assert board.slot_arrival(2) is None
     seq = board.arrival_seq()
     assert seq == 3
@@ -391,7 +409,7 @@ def test_beats_and_agent_pid(board: _native.NodeBoard) -> None:
 def poster(board: _native.NodeBoard, kind: str) -> Callable[[], None]:
     return {
         "event": lambda: board.post_event(0, True),
-        "arrival": lambda: board.arrive(0, 0, False),
+        "arrival": lambda: board.arrive(0, 0, 3),
         "leader": lambda: board.set_leader(1, 0),
         "decision": lambda: board.post_decision(0, b"go"),
         "close": board.close,
@@ -504,7 +522,7 @@ print("ready", board.agent_pid, flush=True)
 print(board.wait_event(0, 30), flush=True)
 print(board.wait_outcome(1, 0, 30), flush=True)
 print(board.wait_outcome(2, 0, 30), flush=True)
-board.arrive(1, 0, True)
+board.arrive(1, 0, 7)
 print(board.wait_event(1, 30), flush=True)
 """
 
@@ -528,7 +546,7 @@ def test_cross_process_waits(board: _native.NodeBoard) -> None:
 
         # The child's arrival wakes a waiter here.
         assert board.wait_arrivals(seq, 30) == seq + 1
-        assert board.slot_arrival(1) == (0, True)
+        assert board.slot_arrival(1) == (0, 7)
 
         time.sleep(0.05)
         board.close()
@@ -591,7 +609,7 @@ for i in range(int(sys.argv[2])):
     if result != 0:
         print("iteration", i, "got", result, flush=True)
         break
-    board.arrive(0, i, False)
+    board.arrive(0, i, 3)
 else:
     print("done", flush=True)
 """
@@ -607,7 +625,7 @@ def test_ping_pong_loses_no_wake_up(board: _native.NodeBoard) -> None:
         for i in range(rounds):
             seq = board.arrival_seq()
             board.post_event(i, False)
-            while board.slot_arrival(0) != (i, False):
+            while board.slot_arrival(0) != (i, 3):
                 seq = board.wait_arrivals(seq, 10)
                 assert seq >= 0, f"round {i}: no arrival ({seq})"
         assert read_line(child) == "done"

@@ -40,9 +40,15 @@ class LocalJob:
         env: Optional[dict[str, str]] = None,
         port: Optional[int] = None,
         capture: bool = True,
+        ranks_per_node: Optional[int] = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: expected >= 1")
+        if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
+            raise ValueError(f"ranks_per_node={ranks_per_node}: expected 1..world_size={world_size}")
+        # Consecutive ranks form a node, as torchrun numbers them: LOCAL_RANK,
+        # LOCAL_WORLD_SIZE and GROUP_RANK say where each sits. Default: one node.
+        self.ranks_per_node = ranks_per_node or world_size
         self.argv = list(argv)
         self.world_size = world_size
         self.port = port or free_port()
@@ -58,8 +64,9 @@ class LocalJob:
                 env.update(
                     RANK=str(rank),
                     WORLD_SIZE=str(self.world_size),
-                    LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(self.world_size),
+                    LOCAL_RANK=str(rank % self.ranks_per_node),
+                    LOCAL_WORLD_SIZE=str(min(self.ranks_per_node, self.world_size - rank // self.ranks_per_node * self.ranks_per_node)),
+                    GROUP_RANK=str(rank // self.ranks_per_node),
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(self.port),
                     PYTHONUNBUFFERED="1",

@@ -71,6 +71,8 @@ MAX_MESSAGE = 300
 # Long waits are cut into chunks so that a cancelled waiter notices within one
 # chunk; the fault itself wakes the waiter at once, whatever the chunk.
 WAIT_CHUNK_S = 300.0
+# How often a wait on a node board looks whether the node agent is still there.
+NODE_POLL_S = 0.5
 
 HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningful
 log = logging.getLogger("inprocess")
@@ -138,6 +140,7 @@ class Decision:
             {
                 "i": self.iteration,
                 "n": self.membership.initial_world_size,
+                "ws": self.membership.world_size,  # lets a node agent see the job's end without decoding runs
                 "runs": self.membership.encode(),
                 "terminated": self.terminated,
                 "faults": [dataclasses.asdict(f) for f in self.faults[:MAX_FAULTS_IN_DECISION]],
@@ -253,10 +256,15 @@ class RestartProtocol:
     ``get``.
     """
 
-    def __init__(self, store: Any, call: int = 0):
+    def __init__(self, store: Any, call: int = 0, node: Any = None):
         self.store = store
         self.prefix = f"inprocess/{call}/"
         self.ops = 0  # store operations made through this instance
+        # A rank's link to its node agent (inprocess.node_agent.NodeLink), or None:
+        # then the event and the barrier's outcome come from the board, and the
+        # rank's healthy arrival goes there. Without it (or once the agent is
+        # gone) everything goes to the store directly.
+        self.node = node
 
     # -- keys ---------------------------------------------------------------
 
@@ -385,6 +393,10 @@ class RestartProtocol:
         """
         key = self.key(iteration, "event")
         what = f"iteration {iteration} outcome"
+        if self.node is not None:
+            value = self._wait_event_on_board(iteration, timeout, what, cancelled)
+            if value is not None:
+                return value
         if only_restart is not None:
             self.wait_key(key, timeout, what, cancelled)
             if only_restart():
@@ -396,6 +408,23 @@ class RestartProtocol:
         if value not in (RESTART, COMPLETE):
             raise InternalError(f"iteration {iteration} event holds {value!r}, expected {RESTART!r} or {COMPLETE!r}")
         return value
+
+    def _wait_event_on_board(
+        self, iteration: int, timeout: Optional[float], what: str, cancelled: Optional[Callable[[], bool]]
+    ) -> Optional[str]:
+        """The event as the node agent posted it; None once the agent is gone."""
+        node = self.node
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while node.alive():
+            chunk = NODE_POLL_S if deadline is None else min(NODE_POLL_S, deadline - time.monotonic())
+            if chunk <= 0:
+                raise TimeoutError(f"{what}: no answer within {timeout:g}s (node board)")
+            outcome = node.board.wait_event(iteration, chunk)
+            if outcome >= 0:
+                return COMPLETE if outcome == 1 else RESTART
+            if cancelled is not None and cancelled():
+                raise TimeoutError(f"{what}: cancelled (node board)")
+        return None
 
     def arrive_completed(self, iteration: int, active_world_size: int) -> None:
         self.ops += 1
@@ -546,6 +575,8 @@ class RestartProtocol:
         never waits and never leads. If every rank arrived terminated, the
         arrival that completes the count ends the job's keys.
         """
+        if self.node is not None and not terminated and not seat_taken and self.node.alive():
+            return self._barrier_on_board(iteration, initial_rank, expected, decide, timeout)
         healthy, dead, complete = self.arrive(iteration, initial_rank, expected, terminated, seat_taken)
         log.debug("barrier %d: rank %d arrived (healthy=%d, terminated=%d)", iteration, initial_rank, healthy, dead)
         if terminated:
@@ -554,9 +585,15 @@ class RestartProtocol:
             return None
         if healthy != 1:
             return self.wait_decision(iteration, timeout)
-        # The leader.
+        return self._lead(iteration, initial_rank, dead if complete else None, decide, timeout)
+
+    def _lead(
+        self, iteration: int, initial_rank: int, dead: Optional[int], decide: Optional[DecideFn], timeout: float
+    ) -> Decision:
+        """The leader's part: ``dead`` is the terminated count when the leader's
+        own arrival completed the barrier, else None (wait for ``ready``)."""
         assert decide is not None
-        if not complete:
+        if dead is None:
             self.wait_key(self.key(iteration, "ready"), timeout, f"barrier {iteration} (leader)")
             self.ops += 1
             dead = self.store.add(self.key(iteration, "arrivals"), 0) >> 32
@@ -566,6 +603,68 @@ class RestartProtocol:
         if decision.membership.world_size == 0:
             self.finish_job(iteration)
         return decision
+
+    # -- the node board (inprocess.node_agent) ----------------------------------
+
+    def arrive_batch(self, iteration: int, count: int, expected: int) -> tuple[int, int, bool]:
+        """The node agent forwards ``count`` healthy arrivals (their ranks took
+        their seats) with one ``add``. Returns (healthy, terminated, complete);
+        the batch that completes the count sets ``ready``: the leader, named by
+        the agent, always waits for it."""
+        self.ops += 1
+        value = self.store.add(self.key(iteration, "arrivals"), count)
+        healthy, dead = value & COUNT_MASK, value >> 32
+        if healthy + dead > expected:
+            raise InternalError(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
+        complete = healthy + dead == expected
+        if complete:
+            self.ops += 1
+            self.store.set(self.key(iteration, "ready"), "1")
+        return healthy, dead, complete
+
+    def _barrier_on_board(
+        self, iteration: int, initial_rank: int, expected: int, decide: Optional[DecideFn], timeout: float
+    ) -> Decision:
+        self.post_arrival(iteration, initial_rank, expected)
+        return self.await_outcome(iteration, initial_rank, expected, decide, timeout)
+
+    def post_arrival(self, iteration: int, initial_rank: int, expected: int) -> None:
+        """A healthy arrival through the node agent, first half: the seat in
+        the store, then the arrival on the board (the agent forwards it)."""
+        if not self.take_seat(iteration, initial_rank, False):
+            raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
+        self.node.board.arrive(self.node.slot, iteration, expected)
+
+    def await_outcome(
+        self, iteration: int, initial_rank: int, expected: int, decide: Optional[DecideFn], timeout: float
+    ) -> Decision:
+        """Second half: the board names this rank the leader, or holds the
+        decision. If the agent goes away meanwhile, the rank counts itself
+        directly unless the agent had forwarded its arrival."""
+        node = self.node
+        board, slot = node.board, node.slot
+        deadline = time.monotonic() + timeout
+        remaining = timeout
+        while node.alive():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"barrier {iteration}: no decision within {timeout:g}s (node board)")
+            outcome = board.wait_outcome(slot, iteration, min(NODE_POLL_S, remaining))
+            if outcome == 1:
+                return self._lead(iteration, initial_rank, None, decide, remaining)
+            if outcome == 2:
+                posted = board.read_decision()
+                if posted is not None and posted[0] == iteration and posted[1] is not None:
+                    return Decision.from_json(posted[1])
+                return self.wait_decision(iteration, remaining)  # too large for the board
+        # The agent is gone.
+        if board.forwarded(slot) < iteration:
+            decision = self.barrier(iteration, initial_rank, expected, False, decide, remaining, seat_taken=True)
+            assert decision is not None
+            return decision
+        if board.leads(slot) == iteration:
+            return self._lead(iteration, initial_rank, None, decide, remaining)
+        return self.wait_decision(iteration, remaining)
 
     # -- leaving --------------------------------------------------------------
 

@@ -67,6 +67,7 @@ from .rank_assignment import (
 from .state import FrozenState, Mode, State
 from .interrupt import MainThreadInterrupter
 from .trigger import IterationOutcome, RestartTrigger
+from .node_agent import NodeLayout, NodeLink, socket_name, spawn_node_agent
 
 log = logging.getLogger("inprocess")
 
@@ -120,6 +121,13 @@ class Wrapper:
     - ``completion_timeout``: longest wait, after the function returned, for
       every other active rank to return too.
     - ``enabled=False`` returns the function untouched.
+    - ``node_agent`` (not in nvidia_resiliency_ext): one process per node
+      carries the restart's store traffic for the node's ranks
+      (:mod:`inprocess.node_agent`), so the store serves nodes, not ranks.
+      None (default): used when the launcher describes several nodes with
+      more than one rank each (LOCAL_WORLD_SIZE between 2 and WORLD_SIZE-1,
+      or SLURM's equivalents); True: required (ValueError without a node
+      layout); False: never.
     """
 
     def __init__(
@@ -147,8 +155,12 @@ class Wrapper:
         completion: Optional[Callable[[FrozenState], Any]] = None,
         terminate: Optional[Callable[[FrozenState], Any]] = None,
         enabled: bool = True,
+        node_agent: Optional[bool] = None,
     ):
         self.enabled = check_bool("enabled", enabled)
+        if node_agent is not None:
+            check_bool("node_agent", node_agent)
+        self.node_agent = node_agent
         self.store_factory = check_factory("store_factory", store_factory)
         self.store_kwargs = check_kwargs("store_kwargs", store_kwargs)
         for name, hook in (
@@ -284,6 +296,8 @@ class CallWrapper:
         self._topology: Optional[Topology] = None
         self._is_store_host = False
         self._saved_excepthook = sys.excepthook
+        self._node_link: Optional[NodeLink] = None
+        self._node_agent: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -612,9 +626,10 @@ class CallWrapper:
             if store_mod.host_process(self._store) is not None:
                 # The store host exits when this call is done: tell it which call that is.
                 self._store.set(store_host.CALL_KEY, str(call_index))
-            self._protocol = RestartProtocol(self._store, call_index)
+            self._node_link = self._open_node_link(call_index)
+            self._protocol = RestartProtocol(self._store, call_index, self._node_link)
             trigger_protocol = RestartProtocol(
-                store_mod.clone(self._store, self._w.store_factory, self._w.store_kwargs), call_index
+                store_mod.clone(self._store, self._w.store_factory, self._w.store_kwargs), call_index, self._node_link
             )
             self._key_owners = key_gathering_leaves(self._w.rank_assignment)
             self._interrupter = MainThreadInterrupter()
@@ -634,6 +649,48 @@ class CallWrapper:
         except BaseException:
             self._close()
             raise
+
+    def _open_node_link(self, call_index: int) -> Optional[NodeLink]:
+        """This node's agent (local rank 0 starts it), or None: the store directly."""
+        layout = NodeLayout.from_env()
+        wanted = self._w.node_agent
+        if wanted is None:
+            wanted = layout is not None and 1 < layout.local_world_size < self.state.initial_world_size
+        if not wanted:
+            return None
+        store = self._store
+        if layout is None:
+            raise ValueError("Wrapper(node_agent=True): no node layout: set LOCAL_RANK, LOCAL_WORLD_SIZE "
+                             "and GROUP_RANK (torchrun does), or launch with srun")
+        if not isinstance(store, dist.TCPStore):
+            raise ValueError(f"Wrapper(node_agent=True): the node agent speaks TCPStore only, the store is "
+                             f"{type(store).__name__}")
+        t = self._w.timeouts
+        connect_timeout = min(_seconds(t.barrier_timeout), 30.0)
+        if layout.local_rank == 0:
+            self._node_agent = spawn_node_agent(
+                store.host, store.port, call_index, layout,
+                store_timeout_s=_seconds(t.barrier_timeout), connect_timeout_s=connect_timeout,
+            )
+        name = socket_name(store.host, store.port, call_index, layout.node)
+        try:
+            return NodeLink.connect(name, layout.local_rank, connect_timeout)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            log.warning("rank %d: no node agent (%s): this rank talks to the store directly",
+                        self.state.initial_rank, e)
+            return None
+
+    def _close_node_link(self) -> None:
+        link, self._node_link = self._node_link, None
+        if link is not None:
+            link.close()  # the agent exits once every rank of its node closed its link
+        agent, self._node_agent = self._node_agent, None
+        if agent is not None:
+            try:
+                # The others may still be inside the call: the agent outlives this rank then.
+                agent.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _spawn_monitor(self, call_index: int) -> Optional[subprocess.Popen]:  # type: ignore[type-arg]
         """The per-rank monitor process: sees this rank's death through a pidfd,
@@ -753,6 +810,7 @@ class CallWrapper:
                 self._watchdog.stop(1_000_000_000)
             if self._trigger is not None:
                 self._trigger.stop()
+            self._close_node_link()
             pg_tracker.release_groups()
             sys.excepthook = self._saved_excepthook
             host = store_mod.host_process(self._store)

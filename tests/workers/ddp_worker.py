@@ -83,6 +83,14 @@ def inject(kind):
             except OSError:
                 continue
         raise RuntimeError("no monitor process found among this rank's children")
+    if kind == "kill_node_agent":
+        # This node's agent process is SIGKILLed; the node's ranks go on without it.
+        link = LAST_CALL["call"]._node_link
+        if link is None:
+            raise RuntimeError("kill_node_agent: this rank has no node agent")
+        os.kill(link.board.agent_pid, 9)
+        log["node_agent_killed"] = link.board.agent_pid
+        return
     if kind.startswith("protected_sleep"):
         # Longer than both timeouts, but inside disable_hang_protection(): no restart.
         with LAST_CALL["call"].disable_hang_protection():
@@ -157,6 +165,8 @@ kwargs = dict(
 kwargs.update(make_hooks(wrapper_spec))
 if wrapper_spec.get("store_kwargs") is not None:
     kwargs["store_kwargs"] = wrapper_spec["store_kwargs"]
+if wrapper_spec.get("node_agent") is not None:
+    kwargs["node_agent"] = wrapper_spec["node_agent"]
 for name in ("heartbeat_interval", "heartbeat_timeout"):
     if wrapper_spec.get(name) is not None:
         kwargs[name] = td(wrapper_spec[name])
@@ -217,6 +227,10 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
         "steps": 0,
         "started_ns": time.monotonic_ns(),
     }
+    link = call_wrapper._node_link
+    entry["node_agent"] = None if link is None else link.board.agent_pid
+    # The last barrier at which the agent counted this rank (its arrival went through the board).
+    entry["forwarded"] = None if link is None else link.board.forwarded(link.slot)
     log["iterations"].append(entry)
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
                             world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 10)))

@@ -1,0 +1,366 @@
+"""The node agent: one process per node that talks to the store for the node's ranks.
+
+At 16,384 ranks one TCPStore serves every rank, and during a restart every
+rank needs the same few answers from it: the restart happened, the barrier's
+count, the new decision. The server's cost is per reply, so the number of
+clients is what matters. With a node agent, the ranks of a node meet on a
+shared-memory board (:class:`inprocess._native.NodeBoard`) and one process
+per node carries the traffic:
+
+* the **broadcast** thread waits, with one blocking ``get`` each, for the
+  decision of barrier b and then for the event of iteration b, and posts both
+  on the board, where the ranks' waits (futexes, no GIL held) see them;
+* the **forward** thread turns the arrivals that ranks post on the board into
+  one ``add`` per batch (usually one per node and barrier), names the batch's
+  lowest slot the leader when the batch holds the barrier's first healthy
+  arrivals, and sets ``ready`` when its ``add`` completes the count.
+
+A rank still takes its own seat in the store (exactly-once counting against
+its monitor and its peers' monitors, which arrive directly) before it posts
+its arrival; terminated arrivals never go through the agent.
+
+The board is a memfd. The agent hands it to the ranks over an abstract Unix
+socket (no file in the filesystem, nothing left behind) named after the store
+address, the call and the node; a rank keeps that connection open while the
+call runs, and the agent exits once every rank has closed it. A rank that sees
+the agent gone (its pid) goes on with the direct protocol: the store counts
+direct and forwarded arrivals alike.
+
+This module imports no torch: the agent is a small process (like a monitor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from . import _native
+from .protocol import COMPLETE, RestartProtocol
+
+log = logging.getLogger("inprocess.node_agent")
+
+_HELLO = b"inprocess-node-board 1\n"
+DECISION_CAPACITY = 1 << 20  # a decision holds at most 32 fault records: far below this
+EXIT_USAGE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """Where this rank sits on its node, from the launcher's environment."""
+
+    node: str  # names the node among the job's nodes
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls, env: Optional[dict[str, str]] = None) -> Optional["NodeLayout"]:
+        """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK, or SLURM's
+        SLURM_LOCALID / SLURM_NTASKS_PER_NODE / SLURM_NODEID; None without them."""
+        env = dict(os.environ) if env is None else env
+        for local, size, node in (
+            ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+            ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),
+        ):
+            if local in env and size in env:
+                try:
+                    local_rank, local_world_size = int(env[local]), int(env[size])
+                except ValueError:
+                    raise ValueError(f"{local}={env[local]!r}, {size}={env[size]!r}: expected integers") from None
+                if not 0 <= local_rank < local_world_size:
+                    raise ValueError(f"{local}={local_rank} is not in [0, {size}={local_world_size})")
+                return cls(env.get(node, socket.gethostname()), local_rank, local_world_size)
+        return None
+
+
+def socket_name(store_host: str, store_port: int, call: int, node: str) -> bytes:
+    """Abstract Unix socket name of a node's agent: unique per job, call and node."""
+    return f"\0inprocess-node/{store_host}:{store_port}/{call}/{node}".encode()
+
+
+class NodeRelay:
+    """The agent's store traffic for one node (the simulator runs thousands of these).
+
+    ``forward`` and ``broadcast`` each run on their own connection (their own
+    :class:`RestartProtocol`), since ``broadcast`` blocks on the store.
+    """
+
+    def __init__(self, board: Any):
+        self.board = board
+        self.forwarded = [-1] * board.slots  # the last barrier forwarded per slot
+        self.adds = 0  # batches forwarded (one store add each)
+
+    def forward(self, p: RestartProtocol) -> int:
+        """Forward every arrival posted since the last call; returns how many."""
+        board = self.board
+        batches: dict[int, tuple[int, list[int]]] = {}
+        for slot in range(board.slots):
+            arrival = board.slot_arrival(slot)
+            if arrival is None:
+                continue
+            barrier, expected = arrival
+            if barrier > self.forwarded[slot]:
+                batches.setdefault(barrier, (expected, []))[1].append(slot)
+        n = 0
+        for barrier in sorted(batches):
+            expected, slots = batches[barrier]
+            healthy, _dead, _complete = p.arrive_batch(barrier, len(slots), expected)
+            self.adds += 1
+            if healthy == len(slots):  # the barrier's first healthy arrivals: one of them leads
+                board.set_leader(slots[0], barrier)
+            for slot in slots:
+                self.forwarded[slot] = barrier
+                board.mark_forwarded(slot, barrier)
+            n += len(slots)
+        return n
+
+    def relay_decision(self, p: RestartProtocol, barrier: int, cancelled: Callable[[], bool]) -> bool:
+        """Post barrier ``barrier``'s decision; False when it ends the job."""
+        raw = p.get_blocking(p.key(barrier, "decision"), None, f"barrier {barrier} (node agent)", cancelled)
+        self.board.post_decision(barrier, raw)
+        head = json.loads(raw)
+        return head.get("abort") is None and int(head.get("ws", 1)) > 0
+
+    def relay_event(self, p: RestartProtocol, iteration: int, cancelled: Callable[[], bool]) -> bool:
+        """Post iteration ``iteration``'s event; False when it completed the call."""
+        event = p.wait_event(iteration, None, cancelled)
+        self.board.post_event(iteration, event == COMPLETE)
+        return event != COMPLETE
+
+
+# -- the process ---------------------------------------------------------------------
+
+
+class NodeAgent:
+    """The agent process: the board, the socket that hands it out, two relay threads."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.board = _native.NodeBoard.create(args.slots, DECISION_CAPACITY)
+        self.relay = NodeRelay(self.board)
+        self.stop = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+
+    def _protocol(self) -> RestartProtocol:
+        from .tcpstore_client import TCPStoreClient
+
+        client = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s)
+        return RestartProtocol(client, self.args.call)
+
+    def _forward_loop(self) -> None:
+        p = self._protocol()
+        seen = self.board.arrival_seq()
+        while not self.stop.is_set():
+            self.relay.forward(p)
+            seq = self.board.wait_arrivals(seen, 1.0)
+            if seq == -2:
+                return
+            if seq >= 0:
+                seen = seq
+        self.relay.forward(p)  # what arrived before the last rank left
+
+    def _broadcast_loop(self) -> None:
+        p = self._protocol()
+        barrier = 0
+        while self.relay.relay_decision(p, barrier, self.stop.is_set) and self.relay.relay_event(
+            p, barrier, self.stop.is_set
+        ):
+            barrier += 1
+
+    def _run_thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        def body() -> None:
+            try:
+                target()
+            except Exception as e:
+                if not self.stop.is_set():
+                    # The ranks see the agent gone and go on without it.
+                    log.error("node agent %s: %s stopped: %s: %s", self.args.node, name, type(e).__name__, e)
+                    self.stop.set()
+
+        thread = threading.Thread(target=body, name=f"inprocess-node-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def serve(self) -> int:
+        args = self.args
+        try:
+            self.listener.bind(socket_name(args.store_host, args.store_port, args.call, args.node))
+        except OSError as e:
+            print(f"node agent {args.node}: cannot bind its socket: {e}", file=sys.stderr)
+            return 1
+        self.listener.listen(max(16, args.slots * 2))
+        self.listener.setblocking(False)
+        threads = [self._run_thread("forward", self._forward_loop), self._run_thread("broadcast", self._broadcast_loop)]
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        clients = 0
+        served = 0
+        deadline = time.monotonic() + args.connect_timeout_s  # for the first rank
+        while not self.stop.is_set():
+            if clients == 0 and (served > 0 or time.monotonic() > deadline):
+                break  # every rank of the node has left (or none ever came)
+            for key, _ in sel.select(timeout=0.5):
+                if key.fileobj is self.listener:
+                    try:
+                        conn, _ = self.listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(True)
+                    try:
+                        socket.send_fds(conn, [_HELLO], [self.board.fd])
+                    except OSError:
+                        conn.close()
+                        continue
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ)
+                    clients += 1
+                    served += 1
+                else:
+                    conn = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data = conn.recv(64)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(conn)
+                        conn.close()
+                        clients -= 1
+        self.stop.set()
+        self.board.close()  # wakes every wait on the board: the ranks go on without it
+        for thread in threads:
+            thread.join(timeout=2.0)
+        sel.close()
+        self.listener.close()
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m inprocess.node_agent", description=__doc__.splitlines()[0])
+    ap.add_argument("--store-host", required=True)
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--call", type=int, required=True)
+    ap.add_argument("--node", required=True)
+    ap.add_argument("--slots", type=int, required=True, help="ranks on this node (LOCAL_WORLD_SIZE)")
+    ap.add_argument("--store-timeout-s", type=float, default=120.0)
+    ap.add_argument("--connect-timeout-s", type=float, default=120.0)
+    ap.add_argument("--log-level", default="WARNING")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    for name in ("store_port", "slots", "store_timeout_s", "connect_timeout_s"):
+        if getattr(args, name) <= 0:
+            print(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive value", file=sys.stderr)
+            return EXIT_USAGE
+    if args.call < 0:
+        print(f"--call={args.call}: expected a non-negative integer", file=sys.stderr)
+        return EXIT_USAGE
+    agent = NodeAgent(args)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: agent.stop.set())
+    return agent.serve()
+
+
+def spawn_node_agent(
+    store_host: str, store_port: int, call: int, layout: NodeLayout, *,
+    store_timeout_s: float, connect_timeout_s: float,
+) -> "subprocess.Popen[bytes]":
+    """Start the agent of this node (by its local rank 0): fork + exec of a fresh interpreter."""
+    argv = [
+        sys.executable, "-m", "inprocess.node_agent", "--store-host", store_host, "--store-port", str(store_port),
+        "--call", str(call), "--node", layout.node, "--slots", str(layout.local_world_size),
+        "--store-timeout-s", repr(float(store_timeout_s)), "--connect-timeout-s", repr(float(connect_timeout_s)),
+    ]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+class NodeLink:
+    """A rank's connection to its node agent: the board, its slot, the agent's liveness.
+
+    ``sock`` is the connection the agent counts the node's ranks by; ``pidfd``
+    (of the agent) tells this rank when the agent is gone, also when it could
+    not close the board (SIGKILL). The simulator links its ranks to boards of
+    its own, without either.
+    """
+
+    def __init__(self, board: Any, slot: int, sock: Optional[socket.socket] = None, pidfd: int = -1):
+        if not 0 <= slot < board.slots:
+            raise ValueError(f"local rank {slot} is not in [0, {board.slots}) (the node board's slots)")
+        self.board = board
+        self.slot = slot
+        self._sock = sock
+        self._pidfd = pidfd
+        self._lost = False
+
+    @classmethod
+    def connect(cls, name: bytes, slot: int, timeout: float) -> "NodeLink":
+        """Connect to the agent (retrying until it listens) and map its board."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                sock.connect(name)
+                msg, fds, _flags, _addr = socket.recv_fds(sock, len(_HELLO), 1)
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no node agent listening on {name[1:].decode()!r} within {timeout:g}s") from None
+                time.sleep(0.02)
+            except BaseException:
+                sock.close()
+                raise
+        try:
+            if msg != _HELLO or len(fds) != 1:
+                raise RuntimeError(f"node agent {name[1:].decode()!r} sent {msg!r} with {len(fds)} descriptors")
+            board = _native.NodeBoard.attach(fds[0])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            raise
+        os.close(fds[0])  # attach keeps a duplicate
+        try:
+            return cls(board, slot, sock, _native.pidfd_open(board.agent_pid))
+        except BaseException:
+            sock.close()
+            raise
+
+    def alive(self) -> bool:
+        """False for good once the agent exited or closed the board."""
+        if self._lost:
+            return False
+        if self.board.closed or (self._pidfd >= 0 and _native.wait_for_exit(self._pidfd, 0)):
+            self._lost = True
+            log.warning("node agent (pid %d) is gone: this rank talks to the store directly", self.board.agent_pid)
+        return not self._lost
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
