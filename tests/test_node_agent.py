@@ -9,10 +9,19 @@ the store directly, and the next restart still agrees).
 
 from __future__ import annotations
 
+import datetime
+import threading
+
 import pytest
+import torch.distributed as dist
 
 from conftest import assert_excluded
-from inprocess.node_agent import NodeLayout
+from inprocess import _native
+from inprocess.compose import Compose
+from inprocess.membership import Membership
+from inprocess.node_agent import NodeLayout, NodeLink, NodeRelay
+from inprocess.protocol import RestartProtocol, decide
+from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 NODES = {"ranks_per_node": 3, "world_size": 6}
 AGENT = {"node_agent": True}
@@ -95,3 +104,89 @@ def test_wrapper_refuses_a_node_agent_setting_that_is_not_a_bool():
 
     with pytest.raises(ValueError, match="node_agent"):
         inprocess.Wrapper(node_agent="yes")  # type: ignore[arg-type]
+
+
+# -- the relay and the board, in one process over a real TCPStore ---------------------
+
+class TwoNodes:
+    """Ranks 0-1 on node 0, ranks 2-3 on node 1; every rank seated at barrier 0."""
+
+    def __init__(self) -> None:
+        timeout = datetime.timedelta(seconds=10)
+        self.server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout, wait_for_workers=False)
+
+        def client() -> dist.TCPStore:
+            return dist.TCPStore("127.0.0.1", self.server.port, is_master=False, timeout=timeout)
+
+        self.boards = [_native.NodeBoard.create(2, 4096) for _ in range(2)]
+        self.relays = [NodeRelay(b) for b in self.boards]
+        self.relay_protocols = [RestartProtocol(client()) for _ in range(2)]
+        self.ranks = [RestartProtocol(client(), node=NodeLink(self.boards[r // 2], r % 2)) for r in range(4)]
+        for r in range(4):
+            self.server.set(self.ranks[0].seat_key(r), "0")
+        self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
+
+    def decide_fn(self, dead, faults, leader):  # type: ignore[no-untyped-def]
+        return decide(self.assignment, Membership.all_active(4), dead, faults, 1, leader)
+
+
+@pytest.mark.timeout(30)
+def test_the_first_batch_names_its_lowest_slot_leader_and_the_last_sets_ready():
+    t = TwoNodes()
+    for r in (3, 2):
+        t.ranks[r].post_arrival(1, r, 4)
+    assert t.relays[1].forward(t.relay_protocols[1]) == 2  # healthy 0 -> 2: slot 0 of node 1 leads
+    assert t.boards[1].leads(0) == 1 and t.boards[1].leads(1) == -1
+    assert not t.server.check([t.ranks[0].key(1, "ready")])
+    for r in (0, 1):
+        t.ranks[r].post_arrival(1, r, 4)
+    assert t.relays[0].forward(t.relay_protocols[0]) == 2
+    assert t.boards[0].leads(0) == -1 and t.server.check([t.ranks[0].key(1, "ready")])
+    assert t.relays[0].forward(t.relay_protocols[0]) == 0  # nothing new: no second add
+    assert [t.relays[n].adds for n in (0, 1)] == [1, 1]
+
+    decision = t.ranks[2].await_outcome(1, 2, 4, t.decide_fn, 10)  # the leader decides
+    assert decision.leader == 2 and decision.membership.world_size == 4
+    for n in (0, 1):
+        assert t.relays[n].relay_decision(t.relay_protocols[n], 1, lambda: False)
+    for r in (0, 1, 3):
+        assert t.ranks[r].await_outcome(1, r, 4, None, 10).to_json() == decision.to_json()
+    # Per rank, one store call for the whole barrier: its seat.
+    assert [t.ranks[r].ops for r in (0, 1, 3)] == [1, 1, 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_whose_agent_vanished_counts_itself_unless_the_agent_had():
+    t = TwoNodes()
+    for r in range(4):
+        t.ranks[r].post_arrival(1, r, 4)
+    t.relays[0].forward(t.relay_protocols[0])  # node 0 forwarded (and leads) ...
+    t.boards[1].close()  # ... node 1's agent is gone before forwarding
+    # Node 1's ranks count themselves directly (then wait for the decision in the store).
+    got: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, None, 10).to_json()))
+        for r in (2, 3)
+    ]
+    for thread in threads:
+        thread.start()
+    decision = t.ranks[0].await_outcome(1, 0, 4, t.decide_fn, 10)  # waits for their count
+    for thread in threads:
+        thread.join(10)
+    assert decision.leader == 0 and got == {2: decision.to_json(), 3: decision.to_json()}
+    assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4
+    # Node 0's agent goes too, after it had forwarded: rank 1 reads the decision from the store.
+    t.boards[0].close()
+    assert t.ranks[1].await_outcome(1, 1, 4, None, 10).to_json() == decision.to_json()
+    assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4  # nobody was counted twice
+
+
+@pytest.mark.timeout(30)
+def test_the_event_comes_from_the_board_and_from_the_store_once_the_board_closed():
+    t = TwoNodes()
+    t.ranks[0].request_restart(0)
+    assert t.relays[0].relay_event(t.relay_protocols[0], 0, lambda: False)
+    ops = t.ranks[1].ops
+    assert t.ranks[1].wait_event(0, 5) == "restart" and t.ranks[1].ops == ops  # no store call
+    t.boards[1].close()
+    assert t.ranks[2].wait_event(0, 5) == "restart" and t.ranks[2].ops == 1
