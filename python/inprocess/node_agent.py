@@ -163,8 +163,8 @@ class NodeAgent:
         while not self.stop.is_set():
             self.relay.forward(p)
             seq = self.board.wait_arrivals(seen, 1.0)
-            if seq == -2:
-                return
+            if seq == -2:  # closed: the last rank left
+                break
             if seq >= 0:
                 seen = seq
         self.relay.forward(p)  # what arrived before the last rank left
@@ -200,7 +200,8 @@ class NodeAgent:
             return 1
         self.listener.listen(max(16, args.slots * 2))
         self.listener.setblocking(False)
-        threads = [self._run_thread("forward", self._forward_loop), self._run_thread("broadcast", self._broadcast_loop)]
+        forward = self._run_thread("forward", self._forward_loop)
+        self._run_thread("broadcast", self._broadcast_loop)
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ)
         clients = 0
@@ -239,8 +240,9 @@ class NodeAgent:
                         clients -= 1
         self.stop.set()
         self.board.close()  # wakes every wait on the board: the ranks go on without it
-        for thread in threads:
-            thread.join(timeout=2.0)
+        # The forward thread wakes on the close and forwards what is left; the
+        # broadcast thread may be blocked on the store: the process leaves it.
+        forward.join(timeout=2.0)
         sel.close()
         self.listener.close()
         return 0

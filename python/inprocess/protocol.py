@@ -42,6 +42,12 @@ assignment once, writes the decision and deletes the keys of iteration i-1.
 Only a healthy training rank can lead: a monitor process, arriving for a dead
 rank, holds no rank assignment (and must not: no code crosses the store).
 
+With node agents (:mod:`inprocess.node_agent`), a rank's event and barrier
+outcome come from its node's board instead: the agent waits for the event
+and the decision once for the node and forwards the node's healthy arrivals
+in one ``add`` per batch. The rank still takes its seat here, so counting
+stays exactly-once against monitors, which always arrive directly.
+
 This module imports no torch: monitor processes use it over a lightweight
 store client. A store is anything with torch's Store methods.
 """
