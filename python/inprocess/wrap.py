@@ -653,12 +653,15 @@ class CallWrapper:
     def _open_node_link(self, call_index: int) -> Optional[NodeLink]:
         """This node's agent (local rank 0 starts it), or None: the store directly."""
         layout = NodeLayout.from_env()
+        store = self._store
         wanted = self._w.node_agent
         if wanted is None:
-            wanted = layout is not None and 1 < layout.local_world_size < self.state.initial_world_size
+            wanted = (
+                layout is not None and 1 < layout.local_world_size < self.state.initial_world_size
+                and isinstance(store, dist.TCPStore)
+            )
         if not wanted:
             return None
-        store = self._store
         if layout is None:
             raise ValueError("Wrapper(node_agent=True): no node layout: set LOCAL_RANK, LOCAL_WORLD_SIZE "
                              "and GROUP_RANK (torchrun does), or launch with srun")
@@ -686,11 +689,9 @@ class CallWrapper:
             link.close()  # the agent exits once every rank of its node closed its link
         agent, self._node_agent = self._node_agent, None
         if agent is not None:
-            try:
-                # The others may still be inside the call: the agent outlives this rank then.
-                agent.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+            # Reaped if it has exited; the node's other ranks may still be inside the
+            # call, and then the agent outlives this rank (nothing waits for it here).
+            agent.poll()
 
     def _spawn_monitor(self, call_index: int) -> Optional[subprocess.Popen]:  # type: ignore[type-arg]
         """The per-rank monitor process: sees this rank's death through a pidfd,
