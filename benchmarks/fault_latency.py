@@ -67,7 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
@@ -183,7 +183,9 @@ def samples(ranks: list[list[dict]], kind: str, faults: int) -> tuple[list[dict]
     return out, problems
 
 
-def run_job(kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float) -> tuple[list[list[dict]], list[str]]:
+def run_job(
+    kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float, ranks_per_node: Optional[int] = None,
+) -> tuple[list[list[dict]], list[str]]:
     """One 4-rank job; always reaped (LocalJob kills every rank's process group, monitors included)."""
     from inprocess._local_launch import LocalJob
 
@@ -195,7 +197,7 @@ def run_job(kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float)
         "WRAPPER_TIMEOUTS": json.dumps(TIMEOUTS),
     }
     problems = []
-    with LocalJob([str(HERE / "latency_worker.py")], WORLD_SIZE, env=env) as job:
+    with LocalJob([str(HERE / "latency_worker.py")], WORLD_SIZE, env=env, ranks_per_node=ranks_per_node) as job:
         try:
             job.wait(timeout=timeout)
         except TimeoutError:
@@ -209,7 +211,9 @@ def run_job(kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float)
     return read(out), problems
 
 
-def run_kind(kind: str, faults: int, tmp: pathlib.Path, deadline: float) -> dict[str, Any]:
+def run_kind(
+    kind: str, faults: int, tmp: pathlib.Path, deadline: float, ranks_per_node: Optional[int] = None,
+) -> dict[str, Any]:
     """--faults clean samples, topped up by extra jobs (at most 2) for faults
     that lost a healthy rank (counted and reported as incidents)."""
     t0 = time.monotonic()
@@ -226,7 +230,7 @@ def run_kind(kind: str, faults: int, tmp: pathlib.Path, deadline: float) -> dict
         if left < 20:
             problems.append(f"{tag}: not run, --time-limit reached")
             break
-        ranks, p = run_job(kind, n, tmp, tag, min(left, 60 + 10 * n))
+        ranks, p = run_job(kind, n, tmp, tag, min(left, 60 + 10 * n), ranks_per_node)
         got, q = samples(ranks, kind, n)
         clean += [g for g in got if not g["lost"]]
         incidents += [g for g in got if g["lost"]]
@@ -267,7 +271,12 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     ap.add_argument("--time-limit", type=float, default=290.0,
                     help="seconds for the whole run: jobs that would start later are skipped (default 290)")
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="split the 4 ranks into nodes of this many (2: two nodes, each with a node agent); "
+                         "default: one node, no agent")
     args = ap.parse_args()
+    if args.ranks_per_node is not None and not 1 <= args.ranks_per_node <= WORLD_SIZE:
+        raise SystemExit(f"--ranks-per-node={args.ranks_per_node}: expected 1..{WORLD_SIZE}")
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -277,7 +286,7 @@ def main() -> None:
     deadline = time.monotonic() + args.time_limit
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="inprocess-fault-latency-"))
     try:
-        results = {k: run_kind(k, args.faults, tmp, deadline) for k in kinds}
+        results = {k: run_kind(k, args.faults, tmp, deadline, args.ranks_per_node) for k in kinds}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -313,7 +322,7 @@ def main() -> None:
         for p in r["problems"]:
             print(f"  problem ({k}): {p}")
     print(json.dumps({
-        "benchmark": "fault_latency", "world_size": WORLD_SIZE, "faults": args.faults, "fault_rank": FAULT_RANK,
+        "benchmark": "fault_latency", "world_size": WORLD_SIZE, "ranks_per_node": args.ranks_per_node, "faults": args.faults, "fault_rank": FAULT_RANK,
         "timeouts_s": TIMEOUTS, "kinds": results,
     }))
 
