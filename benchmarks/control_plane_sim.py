@@ -1,45 +1,71 @@
 """Control-plane simulator: one restart of N simulated ranks against one TCPStore.
 
-Runs the library's own store protocol (:class:`inprocess.protocol.RestartProtocol`
-and :func:`inprocess.protocol.decide`, imported, not copied) for N simulated
-ranks and reports, per N, how long the restart's control plane takes and what
-it costs the store::
+Runs the library's own store protocol (:class:`inprocess.protocol.RestartProtocol`,
+:func:`inprocess.protocol.decide` and the node agent's
+:class:`inprocess.node_agent.NodeRelay` over real
+:class:`inprocess._native.NodeBoard` boards; imported, not copied) for N
+simulated ranks and reports, per N, how long the restart's control plane takes
+and what it costs the store::
 
-    python benchmarks/control_plane_sim.py                  # N = 256 1024 4096 16384
+    python benchmarks/control_plane_sim.py                  # N = 256 1024 4096 16384, node and direct mode
+    python benchmarks/control_plane_sim.py --node-only      # node mode only
+    python benchmarks/control_plane_sim.py --direct         # direct mode only (= --ranks-per-node 0)
     python benchmarks/control_plane_sim.py --n 1024 --restarts 5 --no-write
 
+Two modes, run one after the other for each N (same server, same connections):
+
+* **node mode** (the default, ``--ranks-per-node`` 8): ranks are grouped in
+  nodes of 8; each node has a board and an agent relay, as ``Wrapper`` sets
+  them up when the launcher describes several nodes (``inprocess/node_agent.py``).
+* **direct mode** (``--ranks-per-node 0``): every rank talks to the store
+  itself, as without node agents.
+
 One restart, as the wrapper does it (``inprocess/wrap.py``, ``trigger.py``,
-``monitor.py``):
+``monitor.py``, ``node_agent.py``):
 
 0. setup, not measured: every rank's seat (``inprocess/<call>/seat/<r>``) is
    written "0" with ``multi_set``, as the job's initial barrier (barrier 0)
    leaves it, and every monitor's heartbeat counter exists; the simulated
    restarts then go through barriers 1, 2, ...;
-1. steady state: every rank's restart trigger blocks in ``wait_event(i)``
-   (one blocking ``get`` of the event key);
+1. steady state: direct mode: every rank's restart trigger blocks in
+   ``wait_event(i)`` (one blocking ``get`` of the event key); node mode:
+   every node agent blocks in ``relay_event(i)`` (the same get, once per
+   node) and every trigger waits on its node's board;
 2. a fault: rank f dies and its monitor counts it out (``count_out``: reads
    and takes its seat, records the fault, requests the restart and arrives
-   at barrier i+1 on its behalf; ``--kind killed``, the default), or rank
-   f's main thread raises and reports (``--kind exception``);
-3. the event wakes every rank's trigger (``wait_event`` returns "restart");
-4. every rank arrives at barrier i+1 (``barrier``: its seat, one
-   ``compare_set``, then one ``add``); the first healthy arriver leads, runs
-   ``decide`` with ``Compose(ActivateAllRanks(), ShiftRanks())`` and
-   publishes the decision; the others read it with one blocking ``get``;
-5. next iteration: every trigger blocks again in ``wait_event(i+1)``.
+   at barrier i+1 on its behalf, directly at the store in both modes;
+   ``--kind killed``, the default), or rank f's main thread raises and
+   reports (``--kind exception``);
+3. the event wakes every rank's trigger (``wait_event`` returns "restart"),
+   in node mode through the board where its agent posted it;
+4. every rank arrives at barrier i+1. Direct mode (``barrier``): its seat
+   (one ``compare_set``), then one ``add``; the first healthy arriver leads,
+   runs ``decide`` with ``Compose(ActivateAllRanks(), ShiftRanks())`` and
+   publishes the decision; the others read it with one blocking ``get``.
+   Node mode (``post_arrival``, ``await_outcome``): its seat (one
+   ``compare_set``), then its arrival on the board; the agent forwards the
+   node's arrivals with one ``add`` (``NodeRelay.forward``; the batch that
+   completes the count also sets ``ready``) and names a leader on the board
+   when its batch holds the barrier's first healthy arrivals; the leader
+   leads as in direct mode (``_lead``); the agent reads the decision with one
+   blocking ``get`` (``NodeRelay.relay_decision``) and posts it on the board,
+   where the node's ranks read it;
+5. next iteration: every trigger (direct) or agent (node) blocks again on
+   the event of iteration i+1.
 
 After the restarts of each N, the steady state is measured: ``--heartbeat-rounds``
 rounds in which every monitor sends what it sends once per
 heartbeat interval (one ``add`` of its counter, one ``multi_get`` of the
 counters of the next 8 ranks), as fast as the clients go, with the server's
 CPU time per round; requests/s and server CPU % follow for the Wrapper's
-default interval of 30 s.
+default interval of 30 s. Monitors talk to the store directly in both modes.
 
 Processes: the TCPStore server (``use_libuv=True``) lives alone in a
-``python -c`` process; the simulated ranks live in ``--procs`` client
-processes; this driver process only commands them and reads CPU times from
-``/proc``. Every connection goes to 127.0.0.1 (torch itself reverse-resolves
-each connected address, see ``CHILD_ENV``).
+``python -c`` process; the simulated ranks (and, in node mode, their nodes'
+boards and relays) live in ``--procs`` client processes, which in node mode
+hold whole nodes; this driver process only commands them and reads CPU times
+from ``/proc``. Every connection goes to 127.0.0.1 (torch itself
+reverse-resolves each connected address, see ``CHILD_ENV``).
 
 How simulated ranks share connections and threads, and what that changes.
 A real rank holds two client connections (main thread, restart trigger) and
@@ -49,7 +75,7 @@ runs on its own host. Here 16,384 ranks would need 32,768 sockets (over the
 thread switching, not the store. So each client process splits its ranks
 into ``--groups`` groups; a group has two connections (non-blocking
 operations; blocking waits and gets) and one thread, which runs the
-library's calls for each of its ranks in turn:
+library's calls for each of its ranks in turn. Direct mode (``Group``):
 
 (A) ``trigger.wait_event(i)`` for each rank: the first blocks until the
     fault, the others find the event set (each rank still sends its own
@@ -65,6 +91,25 @@ library's calls for each of its ranks in turn:
     ``barrier`` returns for a non-leader: the first blocks until the
     decision, the others find it set.
 
+Node mode (``NodeGroup``): a group is a set of whole nodes; the node agents'
+relays run on the group's thread and connections (broadcast side: blocking
+gets on the waits connection; forward side: adds on the operations
+connection); for each node in turn:
+
+(A) ``relay.relay_event(i)`` (the group's first node blocks until the fault,
+    the others find the event set: each node still sends its own WAIT +
+    GET), then ``trigger.wait_event(i)`` for each of the node's ranks
+    (answered by the board);
+(B) ``main.post_arrival(i+1)`` for each of the node's ranks (its seat in the
+    store, then its arrival on the board), then ``relay.forward`` (one
+    ``add`` for the node). If that named one of the node's ranks the leader,
+    the rank's ``await_outcome`` runs at once and leads; its wait for
+    ``ready`` hands the group's remaining nodes to a new thread, and it goes
+    on, on the process's leader connection, as in direct mode;
+(C) ``relay.relay_decision(i+1)`` (the first blocks until the leader
+    published), then ``main.await_outcome(i+1)`` for each of the node's ranks
+    but the leader (answered by the board).
+
 Why the leader has a connection of its own: torch's client runs one call at
 a time per connection. When the leader blocked on its group's waits
 connection, the new thread could reach that connection first, whenever the
@@ -74,29 +119,44 @@ thread's get of the decision then held the connection, the leader's wait for
 until its timeout; about one run in three of the N = 64 test under a loaded
 machine, reproduced at will by a 50 ms sleep at that point).
 
-What is measured: every rank sends the server exactly the requests, keys and
-values of the real protocol, in its real order; ``RestartProtocol.ops`` is
-counted per rank (the deferred get is counted once). The fault's monitor
-knows the expected count from the simulator, where a real monitor reads the
-previous decision (one more blocking get, for one process). What differs from
-a real job: (a) at most P*(groups+1) requests are in flight and as many
-waits are parked on the server (a real job parks N waits and sends up to N
-requests at once); (b) within a group the ranks are served one after
-another, so a rank's time includes its predecessors' round trips; (c) the
-Python work of all N ranks (protocol code, syscalls) shares this machine's
-2 cores with the server, where a real job spreads it over N hosts. The
-times are therefore an upper bound for the control plane; the server's own
-CPU time per restart (from /proc) is the part a real job cannot spread:
-the TCPStore server is one event-loop thread. (d) Over loopback the kernel
-runs the receiver's TCP receive path and wake-up inside the sender's
-``write``: the server's CPU per request includes work that a network would
-do on the client's host. (e) With ``--decode shared`` (the default) the
-ranks of one client process share one ``Decision.from_json`` of the
-identical decision bytes (each rank still fetches the bytes from the
-store); decoding builds the whole membership, O(N) per rank (about 0.5 ms
-at 16,384), which a real job pays once per rank in parallel: it is measured
-and reported in the "decode" column. ``--decode every-rank`` decodes on
-every rank (the tests use it).
+What is measured: every rank (and in node mode every node's relay) sends the
+server exactly the requests, keys and values of the real protocol, in its
+real order; ``RestartProtocol.ops`` is counted per rank (the deferred get
+once) and per node (its relay's two protocols). The fault's monitor knows the
+expected count from the simulator, where a real monitor reads the previous
+decision (one more blocking get, for one process). What differs from a real
+job: (a) at most P*(groups+1) requests are in flight and as many waits are
+parked on the server (a real job parks N waits in direct mode, one per node
+in node mode, and sends up to N requests at once); (b) within a group the
+ranks (and nodes) are served one after another, so a rank's time includes
+its predecessors' round trips; (c) the Python work of all N ranks (protocol
+code, syscalls) shares this machine's 2 cores with the server, where a real
+job spreads it over N hosts. The times are therefore an upper bound for the
+control plane; the server's own CPU time per restart (from /proc) is the
+part a real job cannot spread: the TCPStore server is one event-loop thread.
+(d) Over loopback the kernel runs the receiver's TCP receive path and
+wake-up inside the sender's ``write``: the server's CPU per request includes
+work that a network would do on the client's host. (e) With ``--decode
+shared`` (the default) the ranks of one client process share one
+``Decision.from_json`` of the identical decision bytes (each rank still
+fetches the bytes, from the store or its board); decoding builds the whole
+membership, O(N) per rank (about 0.5 ms at 16,384), which a real job pays
+once per rank in parallel: it is measured and reported in the "decode"
+column. ``--decode every-rank`` decodes on every rank (the tests use it).
+Node mode only: (f) a node's board, its relay and its ranks live in one
+client process and one thread, so the board's posts and waits never cross
+a process and never wake a sleeper: the harness calls a rank's board wait
+after the relay posted, and it returns at once (each post still makes its
+FUTEX_WAKE system call); a real board is shared by the node's separate
+processes, whose waits sleep and are woken across processes (a futex
+wake-up and a context switch per waiter, on the node's own cores). (g) A real agent forwards
+whatever arrived when its forward thread wakes, so a node's arrivals may
+take several adds; here the node's ranks all post before its forward: one
+add per node, the fewest. (h) A real agent talks through the torch-free
+``TCPStoreClient`` on two connections of its own; here the relays use the
+group's torch connections: the same requests on the wire. (i) A real job
+still opens two connections per rank (and the monitors'), of which node
+mode uses one request per rank per restart; the agents add two per node.
 
 Bytes per rank are estimated from the torch TCPStore wire format: 1 byte
 query type, strings and values sent as an 8-byte length plus the bytes (keys
@@ -106,8 +166,8 @@ requests); ``set`` and ``append`` have no answer. TCP/IP headers are not
 counted.
 
 Outputs: a table and one JSON line on stdout; with writing enabled (default),
-``benchmarks/control_plane.png`` (time against N) and the results block of
-``benchmarks/control_plane.md``.
+``benchmarks/control_plane.png`` (time against N, both modes) and the results
+block of ``benchmarks/control_plane.md``.
 """
 
 from __future__ import annotations
@@ -128,7 +188,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from inprocess import _native
 from inprocess.membership import ACTIVE, TERMINATED, Membership
+from inprocess.node_agent import DECISION_CAPACITY, NodeLink, NodeRelay
 from inprocess.protocol import (
     COMPLETE, WAIT_CHUNK_S, Decision, FaultRecord, RestartProtocol, decide, monitor_heartbeat_key,
 )
@@ -166,6 +228,7 @@ class SimConfig:
     restarts: int = 5  # restarts per N (one fault each); figures are medians over them
     kind: str = "killed"  # "killed" (monitor reports, rank leaves) or "exception" (rank reports, stays)
     decode: str = "shared"  # "shared" or "every-rank" (see the module docstring)
+    ranks_per_node: int = 8  # ranks per node agent and board; 0: every rank talks to the store directly
     check_membership: bool = False  # every rank hashes its decoded table (O(N) per rank: small N only)
     settle_s: float = 0.3  # after all ranks armed their waits, before measuring
     steady_s: float = 1.0  # idle window measured before each fault (every trigger parked)
@@ -253,12 +316,16 @@ class SharedStore:
     one call at a time per connection).
     """
 
-    def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional["Group"]):
+    def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional["Group"],
+                 cap_s: Optional[float] = None):
         self._op = op_conn
         self._wait_conn = wait_conn
         self._t = tally
         self._group = group
         self._timeout = op_conn.timeout  # what set_timeout gave; applied to the connection of each get
+        # A node relay's blocking gets have no deadline (WAIT_CHUNK_S chunks);
+        # capped here so that a stalled simulation fails within the job's timeout.
+        self._cap = None if cap_s is None else datetime.timedelta(seconds=cap_s)
 
     def _conns(self) -> tuple[Any, Any]:
         g = self._group
@@ -276,7 +343,7 @@ class SharedStore:
         return self._timeout
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
-        self._timeout = timeout  # no request: a client-side setting
+        self._timeout = timeout if self._cap is None else min(timeout, self._cap)  # client-side: no request
 
     def set(self, key: str, value: Any) -> None:
         v = _as_bytes(value)
@@ -383,15 +450,22 @@ def expected_row(n: int, faulty: list[int], restart: int, kind: str, rank: int) 
 
 
 class SimRank:
-    """One simulated rank: a main and a trigger RestartProtocol, as in the wrapper."""
+    """One simulated rank: a main and a trigger RestartProtocol, as in the wrapper.
 
-    __slots__ = ("rank", "trigger", "main", "t_tally", "m_tally", "last_ops", "last", "t_woken")
+    With a node link (node mode) both protocols hold it, as the wrapper's do
+    when its node has an agent: the trigger's event and the barrier's outcome
+    come from the node's board.
+    """
 
-    def __init__(self, rank: int, call: int, op_conn: Any, wait_conn: Any, group: Optional["Group"]):
+    __slots__ = ("rank", "trigger", "main", "t_tally", "m_tally", "last_ops", "last", "t_woken", "link")
+
+    def __init__(self, rank: int, call: int, op_conn: Any, wait_conn: Any, group: Any,
+                 link: Optional[NodeLink] = None):
         self.rank = rank
+        self.link = link
         self.t_tally, self.m_tally = Tally(), Tally()
-        self.trigger = RestartProtocol(SharedStore(op_conn, wait_conn, self.t_tally, group), call)
-        self.main = RestartProtocol(SharedStore(op_conn, wait_conn, self.m_tally, group), call)
+        self.trigger = RestartProtocol(SharedStore(op_conn, wait_conn, self.t_tally, group), call, link)
+        self.main = RestartProtocol(SharedStore(op_conn, wait_conn, self.m_tally, group), call, link)
         self.last_ops = 0
         self.last = (0, 0, 0)
         self.t_woken = 0
@@ -498,6 +572,176 @@ class Group:
             self._tls.arriving = False
 
 
+def _give_up() -> bool:
+    """A relay's blocking get ran out its (capped) chunk: the simulation stalled."""
+    return True
+
+
+class SimNode:
+    """One simulated node: its board, its ranks, and its agent's store traffic.
+
+    ``relay`` is the library's :class:`NodeRelay` over the node's board. A real
+    agent runs it on two threads with a connection each (broadcast: blocking
+    gets; forward: adds); here the node's group runs both over its two
+    connections, with two RestartProtocols so that the broadcast and the
+    forward side are counted apart (``events``, ``arrivals``).
+    """
+
+    __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last")
+
+    def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
+                 cap_s: float):
+        self.index = index
+        self.board = board
+        self.relay = NodeRelay(board)
+        self.ranks: list[SimRank] = []
+        self.e_tally, self.a_tally = Tally(), Tally()
+        self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
+        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s), call)
+        self.last_ops = 0
+        self.last = (0, 0, 0)
+
+    @property
+    def ops(self) -> int:
+        return self.events.ops + self.arrivals.ops
+
+    def tally(self) -> tuple[int, int, int]:
+        a, b = self.e_tally.snapshot(), self.a_tally.snapshot()
+        return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+class NodeGroup:
+    """Whole simulated nodes that share two connections and one thread at a time (node mode).
+
+    Per iteration i the group's thread, for each node in turn:
+
+    (A) ``relay.relay_event(i)`` (the first node's get blocks until the fault,
+        the others find the event set), then ``trigger.wait_event(i)`` for
+        each of the node's ranks (answered by the board: no store request);
+    (B) ``main.post_arrival(i+1)`` for each of the node's ranks (its seat:
+        one ``compare_set``; then its arrival on the board), then
+        ``relay.forward`` (one ``add`` for the node's batch; the batch that
+        completes the count also sets ``ready``). If the forward named one of
+        the node's ranks the leader, that rank's ``await_outcome`` runs at
+        once: it leads (``_lead``), and its wait for ``ready`` hands the
+        group's remaining nodes to a new thread and blocks on the process's
+        leader connection, as in direct mode;
+    (C) ``relay.relay_decision(i+1)`` (the first node's get blocks until the
+        leader published), then ``main.await_outcome(i+1)`` for each of the
+        node's ranks but the leader (answered by the board).
+    """
+
+    def __init__(self, job: "SimJob", name: str):
+        self.job = job
+        self.name = name
+        self.nodes: list[SimNode] = []
+        self.ranks: list[SimRank] = []
+        self._tls = threading.local()
+        self.iteration = 0
+        self.live: list[tuple[SimNode, list[SimRank]]] = []  # this iteration's nodes with live ranks
+        self.todo: collections.deque[tuple[SimNode, list[SimRank]]] = collections.deque()
+        self.leader: Optional[SimRank] = None
+        self.leader_thread: Optional[threading.Thread] = None
+        self.thread = threading.Thread(target=self.run, name=name, daemon=True)
+
+    def arriving(self) -> bool:
+        return getattr(self._tls, "arriving", False)
+
+    def leading(self) -> bool:
+        return getattr(self._tls, "leading", False)
+
+    def hand_over(self) -> None:
+        self._tls.arriving = False
+        self._tls.leading = True  # this thread stays with the leader, on the leader connection
+        self.leader_thread = threading.current_thread()
+        self.thread = threading.Thread(target=self.run, args=(True,), name=self.name + "+", daemon=True)
+        self.thread.start()
+
+    def run(self, resume: bool = False) -> None:
+        job = self.job
+        try:
+            while True:
+                i = self.iteration
+                if not resume:
+                    self.live = []
+                    for node in self.nodes:
+                        ranks = [rs for rs in node.ranks if job.alive_in(rs.rank, i)]
+                        if ranks:
+                            self.live.append((node, ranks))
+                    job.bump(job.armed, i)
+                    if not self.live:
+                        return
+                    if self._wake(i):
+                        return  # the call completed
+                    self.todo = collections.deque(self.live)
+                    self.leader = None
+                    self.leader_thread = None
+                resume = False
+                if self._arrive(i):
+                    return  # this thread led the barrier; its successor goes on
+                self._outcome(i)
+                if self.leader_thread is not None:
+                    self.leader_thread.join(job.timeout_s)
+                self.iteration = i + 1
+        except BaseException as e:  # reported to the driver, which fails the run
+            job.fail(f"{self.name}: {type(e).__name__}: {e}")
+
+    def _wake(self, i: int) -> bool:
+        """(A) Returns True when the event says the call completed."""
+        job = self.job
+        complete = False
+        for node, ranks in self.live:
+            if not node.relay.relay_event(node.events, i, _give_up):
+                complete = True
+            for rs in ranks:
+                if rs.trigger.wait_event(i, job.timeout_s) == COMPLETE:
+                    complete = True
+                rs.t_woken = time.monotonic_ns()
+        return complete
+
+    def _arrive(self, i: int) -> bool:
+        """(B) Returns True if this thread led the barrier and handed the group over."""
+        job = self.job
+        expected = job.world_size[i]
+        while self.todo:
+            node, ranks = self.todo.popleft()
+            for rs in ranks:
+                rs.m_tally.decision = ""
+                rs.main.post_arrival(i + 1, rs.rank, expected)
+            node.relay.forward(node.arrivals)
+            for rs in ranks:
+                assert rs.link is not None
+                if node.board.leads(rs.link.slot) != i + 1:
+                    continue
+                self.leader = rs
+                self._tls.arriving = True  # its wait for "ready" hands the group over (see hand_over)
+                try:
+                    decision = rs.main.await_outcome(i + 1, rs.rank, expected, job.decide_fn(i, rs), job.timeout_s)
+                finally:
+                    self._tls.arriving = False
+                job.record(rs, i, decision)
+                if self.leader_thread is threading.current_thread():
+                    return True
+        return False
+
+    def _outcome(self, i: int) -> None:
+        """(C) Every rank of the group but the leader holds the decision."""
+        job = self.job
+        expected = job.world_size[i]
+        for node, ranks in self.live:
+            node.relay.relay_decision(node.events, i + 1, _give_up)
+            job.record_node(node, i)
+            for rs in ranks:
+                if rs is self.leader:
+                    continue
+                decision = rs.main.await_outcome(i + 1, rs.rank, expected, job.decide_fn(i, rs), job.timeout_s)
+                if not rs.m_tally.decision:  # read from the board (else from the store: it was too large)
+                    posted = node.board.read_decision()
+                    if posted is not None and posted[0] == i + 1 and posted[1] is not None:
+                        rs.m_tally.decision = hashlib.sha1(posted[1]).hexdigest()[:16]
+                job.record(rs, i, decision)
+
+
 class SimJob:
     """The simulated ranks [lo, hi) of one job (one N), in one client process."""
 
@@ -517,6 +761,8 @@ class SimJob:
         self.armed: collections.Counter[int] = collections.Counter()
         self.done: collections.Counter[int] = collections.Counter()
         self.records: dict[int, list[list[Any]]] = collections.defaultdict(list)
+        self.node_records: dict[int, list[list[Any]]] = collections.defaultdict(list)
+        self.ranks_per_node: int = cfg.get("ranks_per_node", 0)
         self.reporters: dict[int, list[Any]] = {}  # restart -> [t0_ns, ops, requests, out, in]
         self.errors: list[str] = []
         self.decision_raw: dict[int, bytes] = {}
@@ -524,8 +770,12 @@ class SimJob:
         self.expected_done = [sum(1 for r in range(self.lo, self.hi) if self.alive_in(r, j)) for j in range(len(self.faulty))]
         groups = len(conns.ops)
         ranks = list(range(self.lo, self.hi))
-        self.groups: list[Group] = []
+        self.groups: list[Any] = []  # Group (direct mode) or NodeGroup (node mode)
         self.sims: dict[int, SimRank] = {}
+        self.nodes: list[SimNode] = []
+        if self.ranks_per_node > 0:
+            self._make_nodes(groups)
+            return
         for g in range(min(groups, len(ranks))):
             part = ranks[len(ranks) * g // min(groups, len(ranks)): len(ranks) * (g + 1) // min(groups, len(ranks))]
             group = Group(self, f"group of ranks {part[0]}..{part[-1]}")
@@ -533,6 +783,33 @@ class SimJob:
                 rs = SimRank(r, self.call, conns.ops[g], conns.waits[g], group)
                 group.ranks.append(rs)
                 self.sims[r] = rs
+            self.groups.append(group)
+
+    def _make_nodes(self, groups: int) -> None:
+        """Node mode: this process's ranks in whole nodes (the driver splits the
+        job at node boundaries), each node with a board of its own and its
+        ranks linked to it by local slot, as ``Wrapper`` links them
+        (``NodeLink(board, slot)``: no agent socket, no pidfd); the nodes split
+        into groups of whole nodes."""
+        rpn = self.ranks_per_node
+        if self.lo % rpn:
+            raise ValueError(f"ranks {self.lo}..{self.hi - 1} do not start at a node boundary ({rpn} ranks per node)")
+        nodes = [list(range(a, min(a + rpn, self.hi))) for a in range(self.lo, self.hi, rpn)]
+        k = min(groups, len(nodes))
+        for g in range(k):
+            part = nodes[len(nodes) * g // k: len(nodes) * (g + 1) // k]
+            group = NodeGroup(self, f"group of nodes {part[0][0] // rpn}..{part[-1][0] // rpn}")
+            for members in part:
+                board = _native.NodeBoard.create(len(members), DECISION_CAPACITY)
+                node = SimNode(members[0] // rpn, self.call, board, self.conns.ops[g], self.conns.waits[g], group,
+                               self.timeout_s)
+                for slot, r in enumerate(members):
+                    rs = SimRank(r, self.call, self.conns.ops[g], self.conns.waits[g], group, NodeLink(board, slot))
+                    node.ranks.append(rs)
+                    group.ranks.append(rs)
+                    self.sims[r] = rs
+                group.nodes.append(node)
+                self.nodes.append(node)
             self.groups.append(group)
 
     # -- bookkeeping ----------------------------------------------------------
@@ -590,6 +867,15 @@ class SimJob:
             self.done[i] += 1
             if self.done[i] == self.expected_done[i]:
                 self.cond.notify_all()
+
+    def record_node(self, node: SimNode, i: int) -> None:
+        """``node``'s agent relayed the decision of barrier i+1: its store traffic of restart i."""
+        ops, now = node.ops, node.tally()
+        self.node_records[i].append([
+            node.index, ops - node.last_ops, now[0] - node.last[0], now[1] - node.last[1], now[2] - node.last[2],
+            node.e_tally.decision,
+        ])
+        node.last_ops, node.last = ops, now
 
     # -- faults ---------------------------------------------------------------
 
@@ -706,7 +992,10 @@ class SimJob:
                 self._kill(j)
             else:
                 self._raise_exception(j)
-        self._wait_for(lambda: self.done[j] == self.expected_done[j] and self.armed[j + 1] == len(self.groups),
+        # Every group that ran iteration j starts iteration j+1 (and bumps "armed"),
+        # also one whose last live rank died in restart j (it then ends at once).
+        running = sum(1 for g in self.groups if any(self.alive_in(rs.rank, j) for rs in g.ranks))
+        self._wait_for(lambda: self.done[j] == self.expected_done[j] and self.armed[j + 1] == running,
                        f"restart {j} done")
         decode_us = 0.0
         raw = self.decision_raw.pop(j, None)
@@ -717,7 +1006,7 @@ class SimJob:
                 _decode_fresh(raw)
                 ts.append(time.perf_counter_ns() - s)
             decode_us = statistics.median(ts) / 1e3
-        return {"done": j, "records": self.records.pop(j, []),
+        return {"done": j, "records": self.records.pop(j, []), "nodes": self.node_records.pop(j, []),
                 "reporter": self.reporters.get(j), "decode_us": decode_us}
 
     def complete(self, iteration: int) -> None:
@@ -731,6 +1020,8 @@ class SimJob:
             while g.thread.is_alive() and time.monotonic() < deadline:
                 g.thread.join(0.1)  # a hand-over may replace g.thread meanwhile
         alive = sum(g.thread.is_alive() for g in self.groups)
+        for node in self.nodes:
+            node.board.unmap()  # a wait still in flight keeps its mapping until it returns
         return {"final": True, "alive_threads": alive, "errors": self.errors[:5]}
 
 
@@ -938,18 +1229,27 @@ class Session:
         assert self.server is not None
         return cpu_seconds(self.server.proc.pid)
 
-    def simulate(self, n: int) -> dict[str, Any]:
-        """``cfg.restarts`` restarts of a job of N simulated ranks."""
+    def simulate(self, n: int, ranks_per_node: Optional[int] = None) -> dict[str, Any]:
+        """``cfg.restarts`` restarts of a job of N simulated ranks, in node mode
+        (``ranks_per_node`` > 0; default: ``cfg.ranks_per_node``) or direct mode (0)."""
         cfg = self.cfg
-        clients = self.clients[: max(1, min(len(self.clients), n))]
-        procs = len(clients)
+        rpn = cfg.ranks_per_node if ranks_per_node is None else ranks_per_node
+        if rpn > 0:  # every process holds whole nodes
+            nodes = -(-n // rpn)
+            clients = self.clients[: max(1, min(len(self.clients), nodes))]
+            procs = len(clients)
+            bounds = [min(n, rpn * (nodes * k // procs)) for k in range(procs + 1)]
+        else:
+            clients = self.clients[: max(1, min(len(self.clients), n))]
+            procs = len(clients)
+            bounds = [n * k // procs for k in range(procs + 1)]
         faulty = pick_faulty(n, cfg.restarts)
         call = self._calls
         self._calls += 1
-        bounds = [n * k // procs for k in range(procs + 1)]
         for k, c in enumerate(clients):
             c.send({"cmd": "job", "n": n, "call": call, "lo": bounds[k], "hi": bounds[k + 1], "faulty": faulty,
-                    "kind": cfg.kind, "timeout_s": cfg.timeout_s, "check_membership": cfg.check_membership})
+                    "kind": cfg.kind, "timeout_s": cfg.timeout_s, "check_membership": cfg.check_membership,
+                    "ranks_per_node": rpn})
         for c in clients:
             c.answer(cfg.timeout_s, "ranks armed")
         restarts = []
@@ -967,7 +1267,7 @@ class Session:
             done = [c.answer(cfg.timeout_s, f"restart {j} done") for c in clients]
             cpu_c = self.server_cpu()
             ccpu_c = sum(cpu_seconds(c.proc.pid) for c in clients)
-            r = _restart_figures(n, j, faulty, cfg, done)
+            r = _restart_figures(n, j, faulty, cfg, done, rpn)
             r["steady_requests_per_s"] = (s1 - s0) / cfg.steady_s
             r["steady_server_cpu_pct"] = 100.0 * (cpu_b - cpu_a) / cfg.steady_s
             r["server_cpu_ms"] = 1e3 * (cpu_c - cpu_fault)
@@ -992,7 +1292,7 @@ class Session:
             final = c.answer(cfg.timeout_s, "end of job")
             if final["alive_threads"] or final["errors"]:
                 raise RuntimeError(f"pid {c.proc.pid}: {final['alive_threads']} rank threads left, {final['errors']}")
-        return _summary(n, cfg, procs, self.connections, restarts, hb)
+        return _summary(n, cfg, procs, self.connections, restarts, hb, rpn)
 
 
 def simulate(n: int, cfg: SimConfig) -> dict[str, Any]:
@@ -1001,7 +1301,8 @@ def simulate(n: int, cfg: SimConfig) -> dict[str, Any]:
         return s.simulate(n)
 
 
-def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: list[dict[str, Any]]) -> dict[str, Any]:
+def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: list[dict[str, Any]],
+                     rpn: int = 0) -> dict[str, Any]:
     reporters = [d["reporter"] for d in done if d["reporter"] is not None]
     if len(reporters) != 1:
         raise RuntimeError(f"restart {j}: {len(reporters)} fault reports, expected 1")
@@ -1027,9 +1328,38 @@ def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: li
     leader = leaders[0]
     window_s = max(done_ms) / 1e3
     total_requests = sum(reqs) + rep_req
+    node_figures: dict[str, Any] = {}
+    if rpn > 0:
+        # Node mode: every node with a live rank relayed the event and the
+        # decision and forwarded its arrivals, and its relay read the same
+        # decision bytes as the ranks.
+        nodes = [d for rec in done for d in rec["nodes"]]
+        live_nodes = sorted({r // rpn for r in alive})
+        if sorted(rec[0] for rec in nodes) != live_nodes:
+            raise RuntimeError(f"restart {j}: {len(nodes)} nodes relayed the decision, expected {len(live_nodes)}")
+        node_digests = {rec[5] for rec in nodes}
+        if node_digests != digests:
+            raise RuntimeError(f"restart {j}: node relays read {len(node_digests)} decisions, not the ranks' one")
+        n_ops = [rec[1] for rec in nodes]
+        n_reqs = [rec[2] for rec in nodes]
+        n_bytes = [rec[3] + rec[4] for rec in nodes]
+        total_requests += sum(n_reqs)
+        node_figures = {
+            "nodes": len(nodes),
+            "ops_per_node_median": statistics.median(n_ops),
+            "ops_per_node_max": max(n_ops),
+            "ops_nodes_total": sum(n_ops),
+            "requests_per_node_median": statistics.median(n_reqs),
+            "requests_per_node_max": max(n_reqs),
+            "requests_nodes_total": sum(n_reqs),
+            "bytes_per_node_median": statistics.median(n_bytes),
+        }
     return {
         "restart": j,
         "ranks": len(records),
+        **node_figures,
+        "requests_ranks_total": sum(reqs),
+        "requests_reporter": rep_req,
         "median_ms": statistics.median(done_ms),
         "p99_ms": _pct(done_ms, 0.99),
         "max_ms": max(done_ms),
@@ -1039,7 +1369,7 @@ def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: li
         "ops_per_rank_max": max(ops),
         "ops_leader": leader[3],
         "ops_reporter": rep_ops,
-        "ops_total": sum(ops) + rep_ops,
+        "ops_total": sum(ops) + rep_ops + node_figures.get("ops_nodes_total", 0),
         "requests_per_rank_median": statistics.median(reqs),
         "requests_total": total_requests,
         "bytes_per_rank_median": statistics.median(bytes_),
@@ -1055,15 +1385,19 @@ def _restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: li
 
 
 def _summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: list[dict[str, Any]],
-             hb: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"n": n, "procs": procs, "connections": connections, "restarts": len(restarts)}
+             hb: list[dict[str, Any]], rpn: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {"mode": "node" if rpn > 0 else "direct", "n": n, "ranks_per_node": rpn, "procs": procs,
+                           "connections": connections, "restarts": len(restarts)}
     for key, value in restarts[0].items():
         if isinstance(value, (int, float)) and key != "restart":
             out[key] = statistics.median(r[key] for r in restarts)
     # Steady state, per heartbeat interval (cfg.heartbeat_interval_s): every
-    # monitor's add + multi_get (measured above), plus every trigger's blocking
-    # get re-sent once per WAIT_CHUNK_S (CANCEL_WAIT + a new WAIT).
+    # monitor's add + multi_get (measured above), plus every blocking get of
+    # the event re-sent once per WAIT_CHUNK_S (CANCEL_WAIT + a new WAIT): one
+    # per trigger in direct mode, one per node agent (its broadcast thread) in
+    # node mode, where the triggers wait on the board.
     monitors = n - (len(restarts) if cfg.kind == "killed" else 0)
+    waiters = restarts[-1]["nodes"] if rpn > 0 else monitors
     if hb:
         hb_requests = statistics.median(h["requests"] for h in hb)
         hb_cpu_ms = statistics.median(h["server_cpu_ms"] for h in hb)
@@ -1072,7 +1406,7 @@ def _summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: lis
         out["hb_wall_ms"] = statistics.median(h["wall_ms"] for h in hb)
         out["hb_bytes_per_monitor"] = statistics.median(h["bytes"] for h in hb) / monitors
         out["hb_server_cpu_us_per_request"] = 1e3 * hb_cpu_ms / hb_requests
-        rewaits = 2 * monitors / WAIT_CHUNK_S
+        rewaits = 2 * waiters / WAIT_CHUNK_S
         out["steady_state_requests_per_s"] = hb_requests / cfg.heartbeat_interval_s + rewaits
         out["steady_state_server_cpu_pct"] = 100.0 * (
             hb_cpu_ms / 1e3 / cfg.heartbeat_interval_s
@@ -1093,14 +1427,20 @@ def _summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: lis
 # ---------------------------------------------------------------------------
 
 COLUMNS = [
+    ("mode", "mode", "{}"),
     ("N", "n", "{:d}"),
+    ("nodes", "nodes", "{:.0f}"),
     ("median ms", "median_ms", "{:.0f}"),
     ("max ms", "max_ms", "{:.0f}"),
     ("wake max ms", "wake_max_ms", "{:.0f}"),
     ("ops/rank", "ops_per_rank_median", "{:g}"),
     ("ops leader", "ops_leader", "{:g}"),
+    ("ops/node", "ops_per_node_median", "{:g}"),
     ("requests/rank", "requests_per_rank_median", "{:g}"),
+    ("requests/node", "requests_per_node_median", "{:g}"),
+    ("requests/restart", "requests_total", "{:.0f}"),
     ("B/rank", "bytes_per_rank_median", "{:.0f}"),
+    ("B/node", "bytes_per_node_median", "{:.0f}"),
     ("B leader", "bytes_leader", "{:.0f}"),
     ("decision B", "decision_bytes", "{:.0f}"),
     ("server req/s", "server_requests_per_s", "{:.0f}"),
@@ -1109,10 +1449,12 @@ COLUMNS = [
     ("client CPU ms", "client_cpu_ms", "{:.0f}"),
     ("assign ms", "assignment_ms", "{:.1f}"),
     ("decode ms", "decode_ms", "{:.2f}"),
+    ("load", "load_average", "{:.1f}"),
 ]
 
 # Steady state: no restart under way.
 STEADY_COLUMNS = [
+    ("mode", "mode", "{}"),
     ("N", "n", "{:d}"),
     ("idle req/s", "steady_requests_per_s", "{:g}"),
     ("idle server CPU %", "steady_server_cpu_pct", "{:.1f}"),
@@ -1130,7 +1472,8 @@ def table(results: list[dict[str, Any]], markdown: bool = False, columns: Option
     head = [c[0] for c in columns]
     rows = [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in columns] for r in results]
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+        align = [":---" if key == "mode" else "---:" for _, key, _ in columns]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
@@ -1145,21 +1488,30 @@ def plot(results: list[dict[str, Any]], path: str, cfg: SimConfig) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = [r["n"] for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ns, [r["max_ms"] for r in results], "o-", label="max over ranks (fault → decision held)")
-    ax.plot(ns, [r["median_ms"] for r in results], "s-", label="median over ranks")
-    ax.plot(ns, [r["server_cpu_ms"] for r in results], "^--", label="store server CPU time per restart")
-    base = next((r for r in results if r["n"] == 1024), results[0])
-    ax.plot(ns, [base["max_ms"] * n / base["n"] for n in ns], ":", color="grey", label=f"linear in N from N={base['n']}")
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    colours = {"node": "tab:blue", "direct": "tab:orange"}
+    every_n: set[int] = set()
+    for mode in ("node", "direct"):
+        rs = [r for r in results if r["mode"] == mode]
+        if not rs:
+            continue
+        ns = [r["n"] for r in rs]
+        every_n.update(ns)
+        c = colours[mode]
+        what = f"node agents, {rs[0]['ranks_per_node']} ranks/node" if mode == "node" else "direct (every rank)"
+        ax.plot(ns, [r["max_ms"] for r in rs], "o-", color=c, label=f"{what}: max over ranks (fault → decision held)")
+        ax.plot(ns, [r["median_ms"] for r in rs], "s-", color=c, alpha=0.6, label=f"{what}: median over ranks")
+        ax.plot(ns, [r["server_cpu_ms"] for r in rs], "^--", color=c, label=f"{what}: store server CPU per restart")
     ax.axhline(1000, color="red", lw=0.8, label="target: 1 s at 16,384")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(ns)
-    ax.set_xticklabels([str(n) for n in ns])
+    ticks = sorted(every_n)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(n) for n in ticks])
     ax.set_xlabel("simulated ranks N")
     ax.set_ylabel("ms")
-    ax.set_title(f"Restart control plane, one TCPStore, {cfg.procs} client processes ({os.cpu_count()} cores)")
+    ax.set_title(f"Restart control plane, one TCPStore, {cfg.procs} client processes ({os.cpu_count()} cores)",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -1170,14 +1522,19 @@ def plot(results: list[dict[str, Any]], path: str, cfg: SimConfig) -> None:
 def write_markdown(results: list[dict[str, Any]], path: str, cfg: SimConfig, command: str, lines: list[str],
                    png: str = DEFAULT_PNG) -> None:
     """Replace the results block of ``path`` (between MD_BEGIN and MD_END), keeping the prose around it."""
-    load = ", ".join(f"{r['load_average']:.1f}" for r in results)
+    modes = " and ".join(
+        f"node mode ({r['ranks_per_node']} ranks per node: one board and one agent relay per node)"
+        if r["mode"] == "node" else "direct mode (every rank talks to the store)"
+        for r in {r["mode"]: r for r in results}.values()
+    )
     block = "\n".join([
         MD_BEGIN,
         "",
-        f"Command: `{command}` — {os.cpu_count()} cores, torch {_torch_version()}, "
+        f"Command: `{command}` — {os.cpu_count()} cores, torch {_torch_version()}, {modes}; "
         f"{cfg.procs} client processes x {cfg.groups} groups (2 connections each; plus a leader and a control connection per process), "
         f"fault kind `{cfg.kind}`, median of {cfg.restarts} restarts per N, decode `{cfg.decode}`; "
-        f"1-minute load average during the runs: {load}.",
+        f"\"load\": the 1-minute load average at the end of each job (this machine's {os.cpu_count()} cores "
+        f"are shared with whatever else runs on it).",
         "",
         table(results, markdown=True),
         "",
@@ -1203,48 +1560,68 @@ def write_markdown(results: list[dict[str, Any]], path: str, cfg: SimConfig, com
 
 
 def verdicts(results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
-    """The figures the issue's targets are about, in words."""
-    big = {r["n"]: r for r in results}
+    """The figures the issue's targets are about, in words, per mode."""
     scaling: dict[str, Any] = {}
     lines = []
-    if 1024 in big and 16384 in big:
-        a, b = big[1024], big[16384]
-        scaling = {
-            "n_ratio": 16.0,
-            "server_cpu_ratio": b["server_cpu_ms"] / max(a["server_cpu_ms"], 1e-9),
-            "requests_ratio": b["requests_total"] / a["requests_total"],
-            "max_ms_ratio": b["max_ms"] / a["max_ms"],
-            "ops_per_rank": [a["ops_per_rank_median"], b["ops_per_rank_median"]],
-            "bytes_per_rank": [a["bytes_per_rank_median"], b["bytes_per_rank_median"]],
-        }
-        lines.append(
-            f"1024 -> 16384 ranks (x16): server requests x{scaling['requests_ratio']:.1f}, "
-            f"server CPU x{scaling['server_cpu_ratio']:.1f}, max time x{scaling['max_ms_ratio']:.1f}; per rank: "
-            f"ops {a['ops_per_rank_median']:g} -> {b['ops_per_rank_median']:g}, "
-            f"bytes {a['bytes_per_rank_median']:.0f} -> {b['bytes_per_rank_median']:.0f}"
-        )
-    if 16384 in big:
-        b = big[16384]
-        scaling["target_1s_met"] = b["max_ms"] < 1000.0
-        lines.append(
-            f"16384 ranks: every rank held the decision {b['max_ms']:.0f} ms after the fault (median {b['median_ms']:.0f} ms): "
-            f"target < 1000 ms {'met' if b['max_ms'] < 1000 else 'NOT met'}; the single-threaded server alone spent "
-            f"{b['server_cpu_ms']:.0f} ms of CPU ({b['server_cpu_us_per_request']:.1f} us per request, "
-            f"{b['requests_per_rank_median']:g} requests per rank)"
-        )
-    last = results[-1]
-    if "steady_state_requests_per_s" in last:
-        lines.append(
-            f"steady state at {last['n']} ranks: {last['steady_state_requests_per_s']:.0f} requests/s, "
-            f"{last['steady_state_server_cpu_pct']:.2f} % of the server's core: per heartbeat interval "
-            f"({cfg_interval(results)}) every monitor sends one add and one multi_get of {WATCHED_PEERS} peers' "
-            f"counters (3 requests on the wire: ADD, WAIT, MULTI_GET; measured "
-            f"{last['hb_server_cpu_us_per_request']:.1f} us of server CPU each), and every trigger re-sends its "
-            f"blocking get once per {WAIT_CHUNK_S:g} s (CANCEL_WAIT + WAIT); the restart protocol sends nothing "
-            f"else between restarts (measured with every trigger parked: {last['steady_requests_per_s']:g} "
-            f"requests/s). During a restart: {last['server_requests_per_s']:.0f} requests/s "
-            f"({last['requests_total']:.0f} requests in {last['max_ms']:.0f} ms)"
-        )
+    for mode in ("node", "direct"):
+        rs = [r for r in results if r["mode"] == mode]
+        if not rs:
+            continue
+        big = {r["n"]: r for r in rs}
+        sc: dict[str, Any] = {}
+        what = f"{mode} mode" + (f" ({rs[0]['ranks_per_node']} ranks per node)" if mode == "node" else "")
+        if 1024 in big and 16384 in big:
+            a, b = big[1024], big[16384]
+            sc = {
+                "n_ratio": 16.0,
+                "server_cpu_ratio": b["server_cpu_ms"] / max(a["server_cpu_ms"], 1e-9),
+                "requests_ratio": b["requests_total"] / a["requests_total"],
+                "median_ms_ratio": b["median_ms"] / a["median_ms"],
+                "ops_per_rank": [a["ops_per_rank_median"], b["ops_per_rank_median"]],
+                "bytes_per_rank": [a["bytes_per_rank_median"], b["bytes_per_rank_median"]],
+            }
+            per_node = ""
+            if mode == "node":
+                sc["ops_per_node"] = [a["ops_per_node_median"], b["ops_per_node_median"]]
+                per_node = f"; per node: ops {a['ops_per_node_median']:g} -> {b['ops_per_node_median']:g}"
+            lines.append(
+                f"{what}, 1024 -> 16384 ranks (x16): server requests x{sc['requests_ratio']:.1f}, "
+                f"server CPU x{sc['server_cpu_ratio']:.1f}, median time x{sc['median_ms_ratio']:.1f}; per rank: "
+                f"ops {a['ops_per_rank_median']:g} -> {b['ops_per_rank_median']:g}, "
+                f"bytes {a['bytes_per_rank_median']:.0f} -> {b['bytes_per_rank_median']:.0f}{per_node}"
+            )
+        if 16384 in big:
+            b = big[16384]
+            sc["target_1s_median_met"] = b["median_ms"] < 1000.0
+            sc["max_under_1s"] = b["max_ms"] < 1000.0
+            requests = f"{b['requests_per_rank_median']:g} requests per rank"
+            if mode == "node":
+                requests += f", {b['requests_per_node_median']:g} per node"
+            lines.append(
+                f"{what}, 16384 ranks: the median rank held the decision {b['median_ms']:.0f} ms after the fault, "
+                f"the last {b['max_ms']:.0f} ms: target (median < 1000 ms) "
+                f"{'met' if b['median_ms'] < 1000 else 'NOT met'}; {b['requests_total']:.0f} server requests per "
+                f"restart ({requests}); server CPU {b['server_cpu_ms']:.0f} ms "
+                f"({b['server_cpu_us_per_request']:.1f} us per request), client CPU {b['client_cpu_ms']:.0f} ms, "
+                f"1-minute load average {b['load_average']:.1f}"
+            )
+        last = rs[-1]
+        if "steady_state_requests_per_s" in last:
+            waiters = (f"every node agent (not every trigger: they wait on the board) re-sends its blocking get "
+                       f"of the event once per {WAIT_CHUNK_S:g} s" if mode == "node" else
+                       f"every trigger re-sends its blocking get once per {WAIT_CHUNK_S:g} s")
+            lines.append(
+                f"{what}, steady state at {last['n']} ranks: {last['steady_state_requests_per_s']:.0f} requests/s, "
+                f"{last['steady_state_server_cpu_pct']:.2f} % of the server's core: per heartbeat interval "
+                f"({cfg_interval(results)}) every monitor sends one add and one multi_get of {WATCHED_PEERS} peers' "
+                f"counters (3 requests on the wire: ADD, WAIT, MULTI_GET; measured "
+                f"{last['hb_server_cpu_us_per_request']:.1f} us of server CPU each), and {waiters} "
+                f"(CANCEL_WAIT + WAIT); the restart protocol sends nothing else between restarts (measured with "
+                f"every wait parked: {last['steady_requests_per_s']:g} requests/s). During a restart: "
+                f"{last['server_requests_per_s']:.0f} requests/s ({last['requests_total']:.0f} requests in "
+                f"{last['max_ms']:.0f} ms)"
+            )
+        scaling[mode] = sc
     return scaling, lines
 
 
@@ -1270,6 +1647,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--restarts", type=int, default=d.restarts, help="restarts per N (medians are over them)")
     ap.add_argument("--kind", choices=["killed", "exception"], default=d.kind)
     ap.add_argument("--decode", choices=["shared", "every-rank"], default=d.decode)
+    ap.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
+                    help="ranks per node agent (node mode); 0: direct mode only")
+    ap.add_argument("--direct", action="store_true", help="direct mode only (same as --ranks-per-node 0)")
+    ap.add_argument("--node-only", action="store_true", help="node mode only: skip the direct mode's comparison")
     ap.add_argument("--steady-s", type=float, default=d.steady_s, help="idle window measured before each fault")
     ap.add_argument("--heartbeat-rounds", type=int, default=d.heartbeat_rounds,
                     help="rounds of monitor heartbeats measured per N (0: none)")
@@ -1280,21 +1661,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--png", default=DEFAULT_PNG)
     ap.add_argument("--md", default=DEFAULT_MD)
     args = ap.parse_args(argv)
+    if args.ranks_per_node < 0:
+        ap.error("--ranks-per-node must be >= 0")
+    rpn = 0 if args.direct else args.ranks_per_node
+    if args.node_only and rpn == 0:
+        ap.error("--node-only needs node mode (--ranks-per-node > 0, no --direct)")
+    # Node mode first, then (unless --node-only) direct mode, for each N in turn:
+    # both modes of one N run a few seconds apart, under the same load.
+    modes = [rpn] if rpn == 0 or args.node_only else [rpn, 0]
     cfg = SimConfig(procs=args.procs, groups=args.groups, restarts=args.restarts,
                     kind=args.kind, decode=args.decode, steady_s=args.steady_s, timeout_s=args.timeout_s,
-                    heartbeat_rounds=args.heartbeat_rounds, heartbeat_interval_s=args.heartbeat_interval_s)
+                    heartbeat_rounds=args.heartbeat_rounds, heartbeat_interval_s=args.heartbeat_interval_s,
+                    ranks_per_node=rpn)
     results = []
     t = time.monotonic()
     with Session(cfg) as session:
         print(f"session: server + {cfg.procs} client processes, {session.connections} connections "
               f"({time.monotonic() - t:.0f}s)", file=sys.stderr, flush=True)
         for n in args.n:
-            t = time.monotonic()
-            r = session.simulate(n)
-            r["run_s"] = time.monotonic() - t
-            results.append(r)
-            print(f"N={n}: median {r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms ({r['run_s']:.0f}s)",
-                  file=sys.stderr, flush=True)
+            for k in modes:
+                t = time.monotonic()
+                r = session.simulate(n, k)
+                r["run_s"] = time.monotonic() - t
+                results.append(r)
+                print(f"N={n} {r['mode']}: median {r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms "
+                      f"({r['run_s']:.0f}s)", file=sys.stderr, flush=True)
+    results.sort(key=lambda r: (r["mode"] != "node", r["n"]))  # tables: node mode first
     print(table(results))
     print(table(results, columns=STEADY_COLUMNS))
     scaling, lines = verdicts(results)
