@@ -1,13 +1,15 @@
 """The restart control plane at scale: agreement in the simulator, O(1) store operations per rank.
 
 (a) runs ``benchmarks/control_plane_sim.py`` (the library's own protocol
-against a real TCPStore server in its own process) at N = 64 and checks that
-every simulated rank holds the same decision and the assignment ShiftRanks
-must give it; (b) counts store operations per rank per restart over an
-in-memory store at two world sizes and fails if the count grows with N; the
-encoded decision must not grow with N either when the faults are fixed; (c)
-checks the blocking get behind ``wait_event`` and ``wait_decision`` on both
-torch server backends, with torch's client and the torch-free one.
+against a real TCPStore server in its own process) at N = 64, in direct mode
+and in node mode (8 nodes of 8 ranks, each with a board and an agent relay),
+and checks that every simulated rank holds the same decision and the
+assignment ShiftRanks must give it; (b) counts store operations per rank per
+restart over an in-memory store at two world sizes and fails if the count
+grows with N, directly and through node agents (then per rank and per node);
+the encoded decision must not grow with N either when the faults are fixed;
+(c) checks the blocking get behind ``wait_event`` and ``wait_decision`` on
+both torch server backends, with torch's client and the torch-free one.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def test_simulated_ranks_agree_on_one_assignment(kind: str) -> None:
     sim = _sim()
     before = _children()
     cfg = sim.SimConfig(procs=2, groups=4, restarts=2, kind=kind, decode="every-rank", check_membership=True,
-                        settle_s=0.1, steady_s=0.2, heartbeat_rounds=1, timeout_s=60.0)
+                        settle_s=0.1, steady_s=0.2, heartbeat_rounds=1, timeout_s=60.0, ranks_per_node=0)
     n = 64
     result = sim.simulate(n, cfg)
     # Every process the simulator started is gone.
@@ -74,6 +76,41 @@ def test_simulated_ranks_agree_on_one_assignment(kind: str) -> None:
         assert r["max_ms"] >= r["median_ms"] > 0
     assert result["steady_requests_per_s"] == 0
     # One heartbeat round: every live monitor's add + multi_get (ADD, WAIT, MULTI_GET).
+    monitors = n - (cfg.restarts if kind == "killed" else 0)
+    assert result["hb_requests_per_round"] == 3 * monitors
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["killed", "exception"])
+def test_simulated_nodes_agree_on_one_assignment(kind: str) -> None:
+    """Node mode, N = 64: 8 nodes of 8 ranks, 2 client processes of 2 groups of
+    2 nodes (so that the leader's group has a node besides the leader's)."""
+    sim = _sim()
+    before = _children()
+    cfg = sim.SimConfig(procs=2, groups=2, restarts=3, kind=kind, decode="every-rank", check_membership=True,
+                        settle_s=0.1, steady_s=0.2, heartbeat_rounds=1, timeout_s=60.0, ranks_per_node=8)
+    n = 64
+    result = sim.simulate(n, cfg)
+    assert _children() - before == set()
+
+    assert result["mode"] == "node" and result["all_agree"]
+    faulty = sim.pick_faulty(n, cfg.restarts)
+    for j, r in enumerate(result["per_restart"]):
+        dead = len(faulty[: j + 1]) if kind == "killed" else 0
+        assert r["ranks"] == n - dead, r
+        assert r["nodes"] == 8, r  # every node keeps live ranks: each relayed the event and the decision
+        # One decision, byte for byte, on every rank and every node's relay (the
+        # simulator also checked each rank's table and row, and raised otherwise).
+        assert len(r["decisions"]) == 1
+        assert r["max_ms"] >= r["median_ms"] > 0
+        # Through the node agents: one store call (the seat's compare_set) per
+        # plain rank; per node, a blocking get of the event and of the decision
+        # (WAIT + GET each) and one add (plus the set of "ready" by one node).
+        assert r["ops_per_rank_median"] == 1 and r["requests_per_rank_median"] == 1, r
+        assert r["ops_per_node_median"] == 3 and r["ops_per_node_max"] <= 4, r
+        assert r["requests_per_node_median"] == 5 and r["requests_per_node_max"] <= 6, r
+        assert r["requests_total"] < 2 * n, r
+    assert result["steady_requests_per_s"] == 0
     monitors = n - (cfg.restarts if kind == "killed" else 0)
     assert result["hb_requests_per_round"] == 3 * monitors
 
@@ -258,6 +295,134 @@ def test_store_operations_per_rank_do_not_grow_with_n() -> None:
     assert large[3] <= small[3], f"the monitor's ops grew with N: {small[3]} at 16, {large[3]} at 256"
     # The mean may only differ by who completed the count (one extra set of "ready").
     assert large[2] <= small[2] + 1.0 / 16
+
+
+def one_restart_on_nodes(
+    n: int, ranks_per_node: int, dead_rank: int, timeout: float = 30.0
+) -> tuple[list[int], list[int], list[int], list[int], int, Decision]:
+    """A restart of N ranks (one killed) through node agents, over one in-memory store.
+
+    One thread per rank, as in :func:`one_restart`, with a NodeLink to its
+    node's board (:class:`inprocess._native.NodeBoard`, created here); per
+    node, an agent's two threads run the library's :class:`NodeRelay`: the
+    broadcast thread relays the event of iteration 0 and the decision of
+    barrier 1, the forward thread forwards the node's arrivals once all its
+    live ranks posted them (one ``add``: the fewest a real agent sends). The
+    dead rank's monitor counts it out directly.
+
+    Returns (RestartProtocol ops per surviving rank, independently counted
+    calls per surviving rank, ops per node, calls per node, ops of the
+    monitor, the decision).
+    """
+    from inprocess import _native
+    from inprocess.node_agent import DECISION_CAPACITY, NodeLink, NodeRelay
+
+    store = MemoryStore()
+    assignment = Compose(ActivateAllRanks(), ShiftRanks())
+    initial = Membership.all_active(n)
+    for r in range(n):
+        store.set(RestartProtocol(store).seat_key(r), "0")
+    nodes = [list(range(a, min(a + ranks_per_node, n))) for a in range(0, n, ranks_per_node)]
+    boards = [_native.NodeBoard.create(len(members), DECISION_CAPACITY) for members in nodes]
+    relays = [NodeRelay(board) for board in boards]
+    node_views = [(CountingView(store), CountingView(store)) for _ in nodes]
+    node_protocols = [(RestartProtocol(a), RestartProtocol(b)) for a, b in node_views]  # broadcast, forward
+    views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
+    protocols = {}
+    for k, members in enumerate(nodes):
+        for slot, r in enumerate(members):
+            link = NodeLink(boards[k], slot)
+            protocols[r] = (RestartProtocol(views[r][0], 0, link), RestartProtocol(views[r][1], 0, link))
+    decisions: dict[int, Optional[Decision]] = {}
+    errors: list[BaseException] = []
+    deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
+
+    def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
+        return decide(assignment, initial, dead, faults, 1, leader)
+
+    def rank_main(r: int) -> None:
+        trigger, main = protocols[r]
+        try:
+            assert trigger.wait_event(0, timeout) == "restart"
+            decisions[r] = main.barrier(1, r, n, False, decide_fn, timeout)
+        except BaseException as e:
+            errors.append(e)
+
+    def broadcast(k: int) -> None:
+        try:
+            assert relays[k].relay_event(node_protocols[k][0], 0, deadline.is_set)
+            assert relays[k].relay_decision(node_protocols[k][0], 1, deadline.is_set)
+        except BaseException as e:
+            errors.append(e)
+
+    def forward(k: int) -> None:
+        board = boards[k]
+        live = [slot for slot, r in enumerate(nodes[k]) if r != dead_rank]
+        try:
+            seen = board.arrival_seq()
+            while sum(board.slot_arrival(slot) == (1, n) for slot in live) < len(live):
+                seq = board.wait_arrivals(seen, timeout)
+                assert seq >= 0, f"node {k}: the arrivals did not come ({seq})"
+                seen = seq
+            assert relays[k].forward(node_protocols[k][1]) == len(live)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
+    threads += [threading.Thread(target=f, args=(k,), daemon=True) for k in range(len(nodes)) for f in (broadcast, forward)]
+    for t in threads:
+        t.start()
+    monitor_view = CountingView(store)
+    monitor = RestartProtocol(monitor_view)  # the monitor process: no node link
+    monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
+    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    for t in threads:
+        t.join(timeout)
+    deadline.set()
+    assert not any(t.is_alive() for t in threads), "ranks or relays still blocked"
+    assert not errors, errors
+    # One add per node: every node forwarded its arrivals as one batch.
+    assert [relay.adds for relay in relays] == [1] * len(nodes)
+    alive = [r for r in range(n) if r != dead_rank]
+    ops = [protocols[r][0].ops + protocols[r][1].ops for r in alive]
+    calls = [views[r][0].calls + views[r][1].calls for r in alive]
+    node_ops = [a.ops + b.ops for a, b in node_protocols]
+    node_calls = [a.calls + b.calls for a, b in node_views]
+    assert monitor.ops == monitor_view.calls
+    firsts = {d.to_json() for d in decisions.values() if d is not None}
+    assert len(firsts) == 1, "ranks hold different decisions"
+    decision = next(d for d in decisions.values() if d is not None)
+    for board in boards:
+        board.unmap()
+    return ops, calls, node_ops, node_calls, monitor.ops, decision
+
+
+@pytest.mark.timeout(60)
+def test_store_operations_per_rank_and_node_do_not_grow_with_n() -> None:
+    """Through node agents: one store call per plain rank, three per node."""
+    per_n = {}
+    for n in (16, 64):
+        ops, calls, node_ops, node_calls, monitor_ops, decision = one_restart_on_nodes(n, 8, dead_rank=n // 2 + 1)
+        assert ops == calls and node_ops == node_calls  # RestartProtocol.ops counts what reached the store
+        m = decision.membership
+        assert m.mode[n // 2 + 1] == TERMINATED and m.world_size == n - 1
+        ops.sort()
+        node_ops.sort()
+        # Every node but (at most) one made the same calls: the lowest count is the typical node's.
+        assert sum(k != node_ops[0] for k in node_ops) <= 1, node_ops
+        per_n[n] = (ops[len(ops) // 2], ops[-1], node_ops[0], node_ops[-1], monitor_ops, sum(ops) + sum(node_ops))
+    small, large = per_n[16], per_n[64]
+    # A plain rank: its seat (compare_set); the event and the decision come from the board.
+    assert small[0] == 1, f"a plain rank made {small[0]} store calls per restart, expected 1"
+    # A node: a blocking get of the event, one add for its arrivals, a blocking get of the decision.
+    assert small[2] == 3, f"a node made {small[2]} store calls per restart, expected 3"
+    assert small[3] <= 4  # plus the set of "ready" where its add completed the count
+    for what, k in (("median ops per rank", 0), ("max ops per rank (the leader)", 1), ("ops per node", 2),
+                    ("max ops per node", 3), ("the monitor's ops", 4)):
+        assert large[k] <= small[k], f"{what} grew with N: {small[k]} at 16, {large[k]} at 64"
+    # All calls of the restart: at most 1 per rank + 4 per node + the leader's 13 more.
+    for n, figures in per_n.items():
+        assert figures[5] <= (n - 1) + 4 * (n // 8) + 13, (n, figures)
 
 
 @pytest.mark.timeout(60)
