@@ -122,8 +122,12 @@ class TwoNodes:
         self.relays = [NodeRelay(b) for b in self.boards]
         self.relay_protocols = [RestartProtocol(client()) for _ in range(2)]
         self.ranks = [RestartProtocol(client(), node=NodeLink(self.boards[r // 2], r % 2)) for r in range(4)]
-        for r in range(4):
-            self.server.set(self.ranks[0].seat_key(r), "0")
+        seats = [self.ranks[0].seat_key(r) for r in range(4)]
+        for key in seats:
+            self.server.set(key, "0")
+        # A set is not answered on the wire: a request on the same connection
+        # that is answered makes sure the server holds them before the ranks look.
+        assert self.server.check(seats)
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
 
     def decide_fn(self, dead, faults, leader):  # type: ignore[no-untyped-def]
