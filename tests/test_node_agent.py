@@ -19,7 +19,7 @@ from conftest import assert_excluded
 from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.membership import Membership
-from inprocess.node_agent import NodeLayout, NodeLink, NodeRelay
+from inprocess.node_agent import NodeLayout, NodeLink, NodeRelay, socket_name
 from inprocess.protocol import RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
@@ -97,6 +97,17 @@ def test_node_layout_from_the_launchers_environment():
         NodeLayout.from_env({"LOCAL_RANK": "8", "LOCAL_WORLD_SIZE": "8"})
     with pytest.raises(ValueError, match="expected integers"):
         NodeLayout.from_env({"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "8"})
+
+
+def test_an_agent_of_an_earlier_incarnation_of_the_job_is_not_found():
+    # torchrun restarts its workers with the same store and call index: the
+    # agent's name must still differ, or the new ranks could reach an old agent.
+    first = socket_name("127.0.0.1", 29500, 0, "3", {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"})
+    again = socket_name("127.0.0.1", 29500, 0, "3", {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert first != again
+    assert socket_name("h", 1, 0, "3", {"SLURM_JOB_ID": "7"}) != socket_name("h", 1, 0, "3", {"SLURM_JOB_ID": "8"})
+    assert socket_name("h", 1, 0, "3", {}) != socket_name("h", 1, 1, "3", {})  # and per call
+    assert first.startswith(b"\0")  # abstract: nothing in the filesystem
 
 
 def test_wrapper_refuses_a_node_agent_setting_that_is_not_a_bool():
