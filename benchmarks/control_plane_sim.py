@@ -901,7 +901,7 @@ class SimJob:
 
         # A real monitor reads the previous barrier's decision for the expected
         # count (one blocking get); the simulator knows it.
-        barrier = p.count_out(rank, fault, lambda b: self.world_size[b - 1], self.timeout_s)
+        barrier = p.count_out(rank, fault, lambda b: self.world_size[b - 1], self.timeout_s, who=f"m{rank}")
         if barrier != restart + 1:
             raise RuntimeError(f"rank {rank} was counted out at barrier {barrier}, expected {restart + 1}")
         after = tally.snapshot()

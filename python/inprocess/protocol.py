@@ -20,8 +20,8 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
 ``<i>/decision``       the membership of iteration i (JSON, written once)
 ``<i>/left``           counter of ranks that left after completion
 ``seat/<r>``           the last barrier initial rank r was counted at: "b"
-                       (counted itself, healthy) or "tb" (counted out at b,
-                       for good); moved by compare_set only
+                       (counted itself, healthy) or "tb:<who>" (counted out at
+                       b, for good, by <who>); moved by compare_set only
 ``monitors/<r>``       heartbeat counter of rank r's monitor process
 ``topology``           per-rank keys for topology-aware assignments
 ``done``               set when the last rank left; the store host waits for it
@@ -29,9 +29,13 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
 
 Seats make every rank count exactly once per barrier, whoever counts it: the
 rank itself, its monitor when it died, or a peer's monitor when it was lost.
-Each moves the seat from "b-1" to "b" or "tb" with one compare_set, and only
-the winner adds to the barrier's counter. A rank that finds its seat taken
-("tb") was counted out by someone else and leaves the job.
+Each moves the seat from "b-1" to "b" or "tb:<who>" with one compare_set, and
+only the winner adds to the barrier's counter. compare_set answers with the
+value the key holds afterwards, so every claimant writes a value only it can
+write ("<who>": "self" for the rank, "m<r>" for the monitor of rank r): two
+monitors that declare the same rank lost at once cannot both read their own
+value back. A rank that finds its seat taken ("t...") was counted out by
+someone else and leaves the job.
 
 Barrier i (i = 0 is the initial barrier) decides the membership of iteration
 i. Every arrival is one ``add`` that returns (healthy, terminated) so far. The
@@ -449,7 +453,7 @@ class RestartProtocol:
         False when somebody else counted the rank out already ("t..."): the
         rank must not count itself.
         """
-        desired = f"t{iteration}" if terminated else str(iteration)
+        desired = f"t{iteration}:self" if terminated else str(iteration)
         previous = "" if iteration == 0 else str(iteration - 1)
         self.ops += 1
         value = self.store.compare_set(self.seat_key(initial_rank), previous, desired).decode()
@@ -473,8 +477,13 @@ class RestartProtocol:
         fault: Callable[[int], FaultRecord],
         expected_at: Callable[[int], Optional[int]],
         timeout: float,
+        who: str,
     ) -> Optional[int]:
         """Count ``initial_rank`` out of the job on its behalf (it died, or was lost).
+
+        ``who`` names the caller uniquely among everybody who may count this
+        rank out ("m<r>" for the monitor of rank r): the seat records it, and
+        only the caller that reads its own name back won the seat.
 
         At the first barrier it has not been counted at: ``fault(i)`` is
         recorded for iteration i = barrier - 1 and its restart requested;
@@ -492,8 +501,8 @@ class RestartProtocol:
             if expected is None:
                 return None
             self.ops += 1
-            won = self.store.compare_set(self.seat_key(initial_rank), seat or "", f"t{barrier}").decode()
-            if won != f"t{barrier}":
+            claim = f"t{barrier}:{who}"
+            if self.store.compare_set(self.seat_key(initial_rank), seat or "", claim).decode() != claim:
                 continue  # the rank (or another declarer) moved the seat meanwhile: look again
             if barrier > 0:
                 self.record_fault(fault(barrier - 1))

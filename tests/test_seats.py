@@ -1,0 +1,64 @@
+"""Seats count every rank exactly once, also when two monitors declare the same rank lost at once."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional
+
+import pytest
+import torch.distributed as dist
+
+from inprocess.protocol import FaultRecord, RestartProtocol
+
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+class RaceAfterRead:
+    """A store connection that runs ``race()`` right after its first seat read
+    returns, so that another claimant moves the seat in between."""
+
+    def __init__(self, store: Any, race: Callable[[], None]):
+        self._store = store
+        self._race: Optional[Callable[[], None]] = race
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        value = self._store.compare_set(key, expected, desired)
+        if self._race is not None and "/seat/" in key:
+            race, self._race = self._race, None
+            race()
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("second", ["monitor", "the rank itself"])
+def test_two_claimants_of_one_seat_count_it_once(second: str) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT, wait_for_workers=False)
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
+
+    n, lost = 4, 2
+    seats = [RestartProtocol(server).seat_key(r) for r in range(n)]
+    server.multi_set(seats, ["0"] * n)
+    assert server.check(seats)  # answered: the server holds them
+
+    def fault(iteration: int) -> FaultRecord:
+        return FaultRecord(lost, iteration, "unresponsive", "HeartbeatTimeout", "test")
+
+    other = RestartProtocol(client())
+
+    def second_claimant() -> None:
+        if second == "monitor":  # the monitor of rank 3 declares rank 2 lost, start to end
+            assert other.count_out(lost, fault, lambda b: n, 10, who="m3") == 1
+        else:  # rank 2 itself leaves, counting itself out of barrier 1
+            assert other.barrier(1, lost, n, True, None, 10) is None
+
+    # The monitor of rank 0 reads the seat ("0"); before it claims it, the other claimant wins.
+    first = RestartProtocol(RaceAfterRead(client(), second_claimant))
+    assert first.count_out(lost, fault, lambda b: n, 10, who="m0") is None
+    arrivals = server.add(first.key(1, "arrivals"), 0)
+    assert (arrivals & 0xFFFFFFFF, arrivals >> 32) == (0, 1), "rank 2 was counted out more than once"
+    assert server.get(seats[lost]).decode() == ("t1:m3" if second == "monitor" else "t1:self")
