@@ -528,16 +528,23 @@ class RestartProtocol:
         if terminated:
             self.ops += 1
             self.store.append(self.key(iteration, "terminated"), f"{initial_rank},")
+        healthy, dead, complete = self._add_arrivals(iteration, TERMINATED_UNIT if terminated else 1, expected)
+        if complete and not (healthy == 1 and not terminated):
+            self._set_ready(iteration)
+        return healthy, dead, complete
+
+    def _add_arrivals(self, iteration: int, amount: int, expected: int) -> tuple[int, int, bool]:
+        """One ``add`` to barrier ``iteration``'s counter: (healthy, terminated, complete) after it."""
         self.ops += 1
-        value = self.store.add(self.key(iteration, "arrivals"), TERMINATED_UNIT if terminated else 1)
+        value = self.store.add(self.key(iteration, "arrivals"), amount)
         healthy, dead = value & COUNT_MASK, value >> 32
         if healthy + dead > expected:
             raise InternalError(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
-        complete = healthy + dead == expected
-        if complete and not (healthy == 1 and not terminated):
-            self.ops += 1
-            self.store.set(self.key(iteration, "ready"), "1")
-        return healthy, dead, complete
+        return healthy, dead, healthy + dead == expected
+
+    def _set_ready(self, iteration: int) -> None:
+        self.ops += 1
+        self.store.set(self.key(iteration, "ready"), "1")
 
     def read_terminated(self, iteration: int, count: int) -> set[int]:
         if count == 0:
@@ -626,15 +633,9 @@ class RestartProtocol:
         their seats) with one ``add``. Returns (healthy, terminated, complete);
         the batch that completes the count sets ``ready``: the leader, named by
         the agent, always waits for it."""
-        self.ops += 1
-        value = self.store.add(self.key(iteration, "arrivals"), count)
-        healthy, dead = value & COUNT_MASK, value >> 32
-        if healthy + dead > expected:
-            raise InternalError(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
-        complete = healthy + dead == expected
+        healthy, dead, complete = self._add_arrivals(iteration, count, expected)
         if complete:
-            self.ops += 1
-            self.store.set(self.key(iteration, "ready"), "1")
+            self._set_ready(iteration)
         return healthy, dead, complete
 
     def _barrier_on_board(
