@@ -265,6 +265,11 @@ class Tally:
     def snapshot(self) -> tuple[int, int, int]:
         return self.requests, self.out, self.inb
 
+    @staticmethod
+    def total(*tallies: "Tally") -> tuple[int, int, int]:
+        """(requests, bytes out, bytes in) summed over the connections of one rank or node."""
+        return (sum(t.requests for t in tallies), sum(t.out for t in tallies), sum(t.inb for t in tallies))
+
 
 class Connections:
     """The TCPStore client connections of one client process.
@@ -476,8 +481,7 @@ class SimRank:
         return self.trigger.ops + self.main.ops
 
     def tally(self) -> tuple[int, int, int]:
-        a, b = self.t_tally.snapshot(), self.m_tally.snapshot()
-        return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+        return Tally.total(self.t_tally, self.m_tally)
 
 
 class Group:
@@ -607,8 +611,7 @@ class SimNode:
         return self.events.ops + self.arrivals.ops
 
     def tally(self) -> tuple[int, int, int]:
-        a, b = self.e_tally.snapshot(), self.a_tally.snapshot()
-        return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+        return Tally.total(self.e_tally, self.a_tally)
 
 
 class NodeGroup:

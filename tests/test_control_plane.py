@@ -228,21 +228,14 @@ class CountingView:
         return counted
 
 
-def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int], list[int], int, Decision]:
-    """A restart of N ranks (one killed) over one in-memory store, one thread per rank.
-
-    Returns (RestartProtocol ops per surviving rank, independently counted
-    calls per surviving rank, ops of the dead rank's monitor, the decision).
-    """
-    store = MemoryStore()
+def rank_threads(
+    protocols: dict[int, tuple[RestartProtocol, RestartProtocol]], n: int, dead_rank: int, timeout: float,
+    decisions: dict[int, Optional[Decision]], errors: list[BaseException],
+) -> list[threading.Thread]:
+    """One (unstarted) thread per surviving rank: its trigger waits for the restart of
+    iteration 0, its main thread arrives at barrier 1 (ShiftRanks over all N ranks)."""
     assignment = Compose(ActivateAllRanks(), ShiftRanks())
     initial = Membership.all_active(n)
-    for r in range(n):  # as barrier 0 left them: every rank counted in at barrier 0
-        store.set(RestartProtocol(store).seat_key(r), "0")
-    views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
-    protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
-    decisions: dict[int, Optional[Decision]] = {}
-    errors: list[BaseException] = []
 
     def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         return decide(assignment, initial, dead, faults, 1, leader)
@@ -255,7 +248,31 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
+    return [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
+
+
+def agreed_decision(decisions: dict[int, Optional[Decision]]) -> Decision:
+    """The decision every rank holds; fails if two ranks hold different ones."""
+    firsts = {d.to_json() for d in decisions.values() if d is not None}
+    assert len(firsts) == 1, "ranks hold different decisions"
+    return next(d for d in decisions.values() if d is not None)
+
+
+def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int], list[int], int, Decision]:
+    """A restart of N ranks (one killed) over one in-memory store, one thread per rank.
+
+    Returns (RestartProtocol ops per surviving rank, independently counted
+    calls per surviving rank, ops of the dead rank's monitor, the decision).
+    """
+    store = MemoryStore()
+    for r in range(n):  # as barrier 0 left them: every rank counted in at barrier 0
+        store.set(RestartProtocol(store).seat_key(r), "0")
+    views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
+    protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
+    decisions: dict[int, Optional[Decision]] = {}
+    errors: list[BaseException] = []
+
+    threads = rank_threads(protocols, n, dead_rank, timeout, decisions, errors)
     for t in threads:
         t.start()
     # The dead rank's monitor: records the fault, wakes everyone, arrives for it.
@@ -269,9 +286,7 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
     alive = [r for r in range(n) if r != dead_rank]
     ops = [protocols[r][0].ops + protocols[r][1].ops for r in alive]
     calls = [views[r][0].calls + views[r][1].calls for r in alive]
-    firsts = {d.to_json() for d in decisions.values() if d is not None}
-    assert len(firsts) == 1, "ranks hold different decisions"
-    decision = next(d for d in decisions.values() if d is not None)
+    decision = agreed_decision(decisions)
     return ops, calls, monitor.ops, decision
 
 
@@ -318,8 +333,6 @@ def one_restart_on_nodes(
     from inprocess.node_agent import DECISION_CAPACITY, NodeLink, NodeRelay
 
     store = MemoryStore()
-    assignment = Compose(ActivateAllRanks(), ShiftRanks())
-    initial = Membership.all_active(n)
     for r in range(n):
         store.set(RestartProtocol(store).seat_key(r), "0")
     nodes = [list(range(a, min(a + ranks_per_node, n))) for a in range(0, n, ranks_per_node)]
@@ -336,17 +349,6 @@ def one_restart_on_nodes(
     decisions: dict[int, Optional[Decision]] = {}
     errors: list[BaseException] = []
     deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
-
-    def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
-        return decide(assignment, initial, dead, faults, 1, leader)
-
-    def rank_main(r: int) -> None:
-        trigger, main = protocols[r]
-        try:
-            assert trigger.wait_event(0, timeout) == "restart"
-            decisions[r] = main.barrier(1, r, n, False, decide_fn, timeout)
-        except BaseException as e:
-            errors.append(e)
 
     def broadcast(k: int) -> None:
         try:
@@ -368,7 +370,7 @@ def one_restart_on_nodes(
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
+    threads = rank_threads(protocols, n, dead_rank, timeout, decisions, errors)
     threads += [threading.Thread(target=f, args=(k,), daemon=True) for k in range(len(nodes)) for f in (broadcast, forward)]
     for t in threads:
         t.start()
@@ -389,9 +391,7 @@ def one_restart_on_nodes(
     node_ops = [a.ops + b.ops for a, b in node_protocols]
     node_calls = [a.calls + b.calls for a, b in node_views]
     assert monitor.ops == monitor_view.calls
-    firsts = {d.to_json() for d in decisions.values() if d is not None}
-    assert len(firsts) == 1, "ranks hold different decisions"
-    decision = next(d for d in decisions.values() if d is not None)
+    decision = agreed_decision(decisions)
     for board in boards:
         board.unmap()
     return ops, calls, node_ops, node_calls, monitor.ops, decision
