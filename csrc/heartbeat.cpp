@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "anonymous_memory.hpp"
 #include "clock.hpp"
 
 namespace inprocess {
@@ -24,23 +25,6 @@ std::runtime_error os_error(const std::string& what) {
   return std::runtime_error(what + ": " + std::strerror(errno));
 }
 
-int create_anonymous_fd() {
-#ifdef SYS_memfd_create
-  // MFD_CLOEXEC: the page is handed to a monitor explicitly, never by accident.
-  int fd = static_cast<int>(syscall(SYS_memfd_create, "inprocess-heartbeat", 1u /* MFD_CLOEXEC */));
-  if (fd >= 0) {
-    fchmod(fd, 0600);
-    return fd;
-  }
-#endif
-  // Fallback for kernels without memfd: a named segment, unlinked at once.
-  std::string name = "/inprocess-hb-" + std::to_string(getpid()) + "-" + std::to_string(monotonic_ns());
-  int fd2 = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd2 < 0) throw os_error("shm_open(" + name + ")");
-  shm_unlink(name.c_str());
-  return fd2;
-}
-
 HeartbeatLayout* map_page(int fd) {
   void* p = mmap(nullptr, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) throw os_error("mmap(heartbeat page)");
@@ -50,7 +34,9 @@ HeartbeatLayout* map_page(int fd) {
 }  // namespace
 
 HeartbeatPage HeartbeatPage::create() {
-  int fd = create_anonymous_fd();
+  std::string tried;
+  int fd = create_anonymous_fd("inprocess-heartbeat", "/inprocess-hb-", tried);
+  if (fd < 0) throw os_error("shm_open(" + tried + ")");
   if (ftruncate(fd, kPageBytes) != 0) {
     int saved = errno;
     ::close(fd);

@@ -18,6 +18,7 @@
 #include <system_error>
 #include <utility>
 
+#include "anonymous_memory.hpp"
 #include "clock.hpp"
 
 namespace inprocess {
@@ -42,23 +43,6 @@ size_t board_bytes(uint64_t slots, uint64_t capacity) {
 
 std::system_error os_error(const std::string& what) {
   return std::system_error(errno, std::generic_category(), what);
-}
-
-int create_anonymous_fd() {
-#ifdef SYS_memfd_create
-  // MFD_CLOEXEC: the board is handed to ranks and monitors explicitly (pass_fds), never by accident.
-  int fd = static_cast<int>(syscall(SYS_memfd_create, "inprocess-node-board", 1u /* MFD_CLOEXEC */));
-  if (fd >= 0) {
-    fchmod(fd, 0600);
-    return fd;
-  }
-#endif
-  // Fallback for kernels without memfd: a named segment, unlinked at once.
-  std::string name = "/inprocess-board-" + std::to_string(getpid()) + "-" + std::to_string(monotonic_ns());
-  int fd2 = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd2 < 0) throw os_error("shm_open(" + name + ")");
-  shm_unlink(name.c_str());
-  return fd2;
 }
 
 // Shared futexes (no FUTEX_PRIVATE_FLAG): the kernel keys them by the
@@ -244,7 +228,9 @@ NodeBoard NodeBoard::create(int64_t slots, int64_t decision_capacity) {
                                 std::to_string(kMaxDecisionCapacity) + "] bytes");
   }
   const size_t bytes = board_bytes(static_cast<uint64_t>(slots), static_cast<uint64_t>(decision_capacity));
-  int fd = create_anonymous_fd();
+  std::string tried;
+  int fd = create_anonymous_fd("inprocess-node-board", "/inprocess-board-", tried);
+  if (fd < 0) throw os_error("shm_open(" + tried + ")");
   std::shared_ptr<Mapping> m;
   try {
     if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) throw os_error("ftruncate(node board)");
