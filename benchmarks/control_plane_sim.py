@@ -1,8 +1,8 @@
 """Control-plane simulator: one restart of N simulated ranks against one TCPStore.
 
-Runs the library's own store protocol (:class:`inprocess.protocol.RestartProtocol`,
-:func:`inprocess.protocol.decide` and the node agent's
-:class:`inprocess.node_agent.NodeRelay` over real
+Runs the library's own store protocol (:class:`inprocess.control.protocol.RestartProtocol`,
+:func:`inprocess.control.protocol.decide` and the node agent's
+:class:`inprocess.processes.node_agent.NodeRelay` over real
 :class:`inprocess._native.NodeBoard` boards; imported, not copied) for N
 simulated ranks and reports, per N, how long the restart's control plane takes
 and what it costs the store::
@@ -190,15 +190,16 @@ import time
 from typing import Any, Callable, Optional
 
 from inprocess import _native
-from inprocess.membership import ACTIVE, TERMINATED, Membership
-from inprocess.node_agent import DECISION_CAPACITY, NodeLink, NodeRelay
-from inprocess.protocol import (
+from inprocess.control.membership import ACTIVE, TERMINATED, Membership
+from inprocess.control.node_link import NodeLink
+from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
+from inprocess.control.protocol import (
     COMPLETE, WAIT_CHUNK_S, Decision, FaultRecord, RestartProtocol, decide, monitor_heartbeat_key,
 )
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 
 HOST = "127.0.0.1"
-WATCHED_PEERS = 8  # peers whose heartbeat counters each monitor reads per interval (inprocess.monitor)
+WATCHED_PEERS = 8  # peers whose heartbeat counters each monitor reads per interval (inprocess.processes.monitor)
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PNG = os.path.join(HERE, "control_plane.png")
 DEFAULT_MD = os.path.join(HERE, "control_plane.md")
@@ -889,7 +890,7 @@ class SimJob:
 
     def _kill(self, restart: int) -> None:
         """Rank faulty[restart] died: its monitor counts it out (``count_out``, as
-        ``inprocess.monitor`` does): takes its seat, records the fault, requests
+        ``inprocess.processes.monitor`` does): takes its seat, records the fault, requests
         the restart and arrives for it at the barrier."""
         rank = self.faulty[restart]
         rs = self.sims[rank]
@@ -950,7 +951,7 @@ class SimJob:
     def heartbeat_round(self) -> dict[str, Any]:
         """What every monitor of this process sends once per heartbeat interval:
         one ``add`` of its own counter and one ``multi_get`` of the counters of
-        the next WATCHED_PEERS ranks (as ``inprocess.monitor`` does), over the
+        the next WATCHED_PEERS ranks (as ``inprocess.processes.monitor`` does), over the
         groups' operation connections, one thread per group."""
         peers = min(WATCHED_PEERS, self.n - 1)
         tally = [0, 0]  # requests, bytes

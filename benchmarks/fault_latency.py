@@ -3,7 +3,7 @@
     python benchmarks/fault_latency.py [--faults 5] [--kinds exception,sigkill,exit,hang,gil_hang]
 
 Workload: benchmarks/latency_worker.py, 4 ranks on 127.0.0.1 (real processes,
-started by inprocess._local_launch.LocalJob like restart_latency.py), gloo, a
+started by inprocess.launch.LocalJob like restart_latency.py), gloo, a
 64->128->1 MLP under DDP, ``call_wrapper.ping()`` at every step; the gloo
 process group and DDP are built inside ``disable_hang_protection()`` (with a
 1 s soft timeout, a first rendezvous slowed by the other ranks' imports on 2
@@ -187,7 +187,7 @@ def run_job(
     kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float, ranks_per_node: Optional[int] = None,
 ) -> tuple[list[list[dict]], list[str]]:
     """One 4-rank job; always reaped (LocalJob kills every rank's process group, monitors included)."""
-    from inprocess._local_launch import LocalJob
+    from inprocess.launch import LocalJob
 
     out = tmp / tag
     out.mkdir()

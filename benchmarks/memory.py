@@ -18,8 +18,8 @@ Processes read:
   import); wrapped minus plain is what the wrapper adds inside the rank
   (the inprocess modules and native extension, the heartbeat page, the
   watchdog and restart-trigger threads, the extra store connections);
-- each rank's monitor process (``python -m inprocess.monitor``, a child of
-  the rank process), and the store host (``python -m inprocess.store_host``),
+- each rank's monitor process (``python -m inprocess.processes.monitor``, a child of
+  the rank process), and the store host (``python -m inprocess.processes.store_host``),
   where the library starts one, once per job;
 - for comparison, a process that imports torch (``python -c "import torch"``,
   what a monitor that imported torch would weigh at least) and a bare
@@ -131,9 +131,9 @@ def heartbeat_mapping(proc: Any) -> dict[str, float] | None:
 
 def role_of(proc: Any) -> str | None:
     cmd = " ".join(proc.cmdline())
-    if "inprocess.monitor" in cmd:
+    if "inprocess.processes.monitor" in cmd:
         return "monitor"
-    if "inprocess.store_host" in cmd:
+    if "inprocess.processes.store_host" in cmd:
         return "store_host"
     return None
 
@@ -141,7 +141,7 @@ def role_of(proc: Any) -> str | None:
 def measure_job(mode: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: float) -> dict[str, Any]:
     """Start a job, wait until every rank is parked, read its processes, release it; always reaped."""
     import psutil
-    from inprocess._local_launch import LocalJob
+    from inprocess.launch import LocalJob
 
     out = tmp / tag
     out.mkdir()

@@ -1,6 +1,6 @@
 """What the node agent's hop costs a restart's wake-up: board vs. store, side by side.
 
-A real node agent process (``python -m inprocess.node_agent``) relays the
+A real node agent process (``python -m inprocess.processes.node_agent``) relays the
 event of each iteration from a TCPStore on 127.0.0.1 to its board. For each
 sample, one thread waits on the board (as a rank's trigger does with an agent)
 and one on the store (as it does without), both in this process; the restart
@@ -21,9 +21,10 @@ import time
 import torch.distributed as dist
 
 from inprocess.compose import Compose
-from inprocess.membership import Membership
-from inprocess.node_agent import NodeLayout, NodeLink, socket_name, spawn_node_agent
-from inprocess.protocol import RestartProtocol, decide
+from inprocess.control.membership import Membership
+from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
+from inprocess.processes.node_agent import spawn_node_agent
+from inprocess.control.protocol import RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 

@@ -235,7 +235,7 @@ def ping_rank() -> dict[str, Any]:
 
 def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: float, **env: str) -> list[dict]:
     """One job, always reaped: LocalJob kills each rank's process group (monitors, store host)."""
-    from inprocess._local_launch import LocalJob
+    from inprocess.launch import LocalJob
 
     out = tmp / tag
     out.mkdir()
@@ -252,7 +252,7 @@ def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: fl
 
 
 def main() -> None:
-    from inprocess._local_launch import free_port
+    from inprocess.launch import free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8, help="rounds of one wrapped and one plain segment (default 8)")

@@ -43,7 +43,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from inprocess import Compose  # noqa: E402
-from inprocess.membership import TERMINATED, Membership  # noqa: E402
+from inprocess.control.membership import TERMINATED, Membership  # noqa: E402
 from inprocess.rank_assignment import (  # noqa: E402
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,

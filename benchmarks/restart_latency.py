@@ -77,7 +77,7 @@ def breakdown(ranks: list[list[dict]], faults: int) -> dict[str, float]:
 
 
 def run_inprocess(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
-    from inprocess._local_launch import LocalJob
+    from inprocess.launch import LocalJob
 
     out = tmp / "inprocess"
     out.mkdir()
@@ -91,7 +91,7 @@ def run_inprocess(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
 
 
 def run_torchrun(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
-    from inprocess._local_launch import free_port
+    from inprocess.launch import free_port
 
     out = tmp / "torchrun"
     out.mkdir()

@@ -57,7 +57,7 @@ _CHILD = r"""
 import json, sys, psutil
 kind, port = sys.argv[1], int(sys.argv[2])
 if kind == "ours":
-    from inprocess.tcpstore_client import TCPStoreClient
+    from inprocess.control.tcpstore_client import TCPStoreClient
     client = TCPStoreClient("127.0.0.1", port, timeout=60)
     client.set("mem/ours", "1")
 elif kind == "torch":
@@ -82,7 +82,7 @@ def time_ops(fn: Callable[[int], Any], n: int) -> list[float]:
 def bench_latency(port: int, n_ops: int, block: int = 100) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from inprocess.tcpstore_client import TCPStoreClient
+    from inprocess.control.tcpstore_client import TCPStoreClient
 
     ours = TCPStoreClient(HOST, port, timeout=timedelta(seconds=60))
     theirs = dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))

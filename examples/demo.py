@@ -148,7 +148,7 @@ def run_rank() -> int:
 
 
 def launch(world_size: int = 4) -> int:
-    from inprocess._local_launch import LocalJob
+    from inprocess.launch import LocalJob
 
     killed = {rank for rank, _, kind in FAULTS if kind == "kill"}
     with LocalJob([__file__], world_size, capture=False) as job:

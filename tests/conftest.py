@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import pytest
 
-from inprocess._local_launch import LocalJob
+from inprocess.launch import LocalJob
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 

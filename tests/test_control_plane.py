@@ -27,11 +27,11 @@ import pytest
 import torch.distributed as dist
 
 import inprocess
-from inprocess import protocol
-from inprocess.membership import ACTIVE, TERMINATED, Membership
-from inprocess.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
+from inprocess.control import protocol
+from inprocess.control.membership import ACTIVE, TERMINATED, Membership
+from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
-from inprocess.tcpstore_client import TCPStoreClient
+from inprocess.control.tcpstore_client import TCPStoreClient
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -330,7 +330,8 @@ def one_restart_on_nodes(
     monitor, the decision).
     """
     from inprocess import _native
-    from inprocess.node_agent import DECISION_CAPACITY, NodeLink, NodeRelay
+    from inprocess.control.node_link import NodeLink
+    from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
 
     store = MemoryStore()
     for r in range(n):

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from conftest import leftover_processes
-from inprocess._local_launch import LocalJob
+from inprocess.launch import LocalJob
 
 DEMO = pathlib.Path(__file__).parent.parent / "examples" / "demo.py"
 

@@ -1,4 +1,4 @@
-"""The monitor process (python -m inprocess.monitor) against real ranks, signals and a real TCPStore.
+"""The monitor process (python -m inprocess.processes.monitor) against real ranks, signals and a real TCPStore.
 
 A fake rank (tests/workers/monitor_rank.py) creates its heartbeat page, spawns
 its monitor with spawn_monitor and then faults. The test process is a child
@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from inprocess import _native
-from inprocess.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
-from inprocess.protocol import TERMINATED_UNIT, RestartProtocol
+from inprocess.processes.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
+from inprocess.control.protocol import TERMINATED_UNIT, RestartProtocol
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -157,8 +157,8 @@ def rank_run(tmp_path: pathlib.Path, store: Any) -> Iterator[Any]:
 def _in_iteration(store: Any, rank: int, iteration: int, world_size: int = 4) -> None:
     """The store as the rank left it running ``iteration``: its seat at barrier
     ``iteration``, and that barrier's decision (everyone active)."""
-    from inprocess.membership import Membership
-    from inprocess.protocol import Decision
+    from inprocess.control.membership import Membership
+    from inprocess.control.protocol import Decision
 
     p = RestartProtocol(store, 0)
     store.set(p.seat_key(rank), str(iteration))
@@ -289,8 +289,8 @@ def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> 
     """Died after counting itself in at barrier 3: the monitor waits for the
     decision, reports a fault in iteration 3 and arrives at barrier 4. Its seat
     says so; the page says nothing of it (the rank may die right after its add)."""
-    from inprocess.membership import Membership
-    from inprocess.protocol import Decision
+    from inprocess.control.membership import Membership
+    from inprocess.control.protocol import Decision
 
     p = RestartProtocol(store, 0)
     store.set(p.seat_key(1), "3")  # counted itself in at barrier 3
@@ -327,11 +327,11 @@ def test_cli_validation() -> None:
             "--heartbeat-fd", "3", "--pid", "1", "--grace-s", "1"]
     assert parser.parse_args(base).grace_s == 1.0
     for bad in (["--store-port", "0"], ["--rank", "-1"], ["--grace-s", "x"], ["--pid", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "inprocess.monitor", *base, *bad],
+        proc = subprocess.run([sys.executable, "-m", "inprocess.processes.monitor", *base, *bad],
                               capture_output=True, text=True, timeout=20)
         assert proc.returncode == 2 and bad[0] in proc.stderr, (bad, proc.stderr)
     # An fd that is no heartbeat page is refused with a message.
-    proc = subprocess.run([sys.executable, "-m", "inprocess.monitor", *base[:-2], "--grace-s", "1"],
+    proc = subprocess.run([sys.executable, "-m", "inprocess.processes.monitor", *base[:-2], "--grace-s", "1"],
                           capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
     assert "heartbeat" in proc.stderr

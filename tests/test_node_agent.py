@@ -18,9 +18,10 @@ import torch.distributed as dist
 from conftest import assert_excluded
 from inprocess import _native
 from inprocess.compose import Compose
-from inprocess.membership import Membership
-from inprocess.node_agent import NodeLayout, NodeLink, NodeRelay, socket_name
-from inprocess.protocol import RestartProtocol, decide
+from inprocess.control.membership import Membership
+from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
+from inprocess.processes.node_agent import NodeRelay
+from inprocess.control.protocol import RestartProtocol, decide
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 NODES = {"ranks_per_node": 3, "world_size": 6}

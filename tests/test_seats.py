@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch.distributed as dist
 
-from inprocess.protocol import FaultRecord, RestartProtocol
+from inprocess.control.protocol import FaultRecord, RestartProtocol
 
 TIMEOUT = datetime.timedelta(seconds=10)
 

@@ -1,4 +1,4 @@
-"""The store host process (python -m inprocess.store_host): it serves, it exits
+"""The store host process (python -m inprocess.processes.store_host): it serves, it exits
 when the call is done, when it is orphaned and the job is silent, or when
 told; it refuses bad input with a message naming the value."""
 
@@ -16,8 +16,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from inprocess import store_host
-from inprocess.protocol import done_key, monitor_heartbeat_key
+from inprocess.processes import store_host
+from inprocess.control.protocol import done_key, monitor_heartbeat_key
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,7 +64,7 @@ def test_a_taken_port_is_refused_with_its_number() -> None:
 
 
 def test_bad_arguments_exit_2_naming_the_value() -> None:
-    proc = subprocess.run([sys.executable, "-m", "inprocess.store_host", "--port", "70000", "--world-size", "2"],
+    proc = subprocess.run([sys.executable, "-m", "inprocess.processes.store_host", "--port", "70000", "--world-size", "2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == store_host.EXIT_USAGE
     assert "--port=70000" in proc.stderr
@@ -75,7 +75,7 @@ def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
     and exits after idle_timeout of silence: no server outlives the job."""
     starter = textwrap.dedent("""
         import os, sys
-        from inprocess import store_host
+        from inprocess.processes import store_host
         host = store_host.spawn_store_host(0, 2, idle_timeout_s=1.5)
         print(host.pid, host.port, flush=True)
         sys.stdin.readline()

@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
-from inprocess import protocol
-from inprocess.tcpstore_client import (
+from inprocess.control import protocol
+from inprocess.control.tcpstore_client import (
     MAX_KEY_BYTES,
     MAX_KEYS_PER_REQUEST,
     MAX_VALUE_BYTES,
@@ -96,7 +96,7 @@ def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, ob
 def test_module_imports_and_works_without_torch(server: dist.TCPStore) -> None:
     code = (
         "import sys\n"
-        "from inprocess.tcpstore_client import TCPStoreClient\n"
+        "from inprocess.control.tcpstore_client import TCPStoreClient\n"
         f"c = TCPStoreClient('{HOST}', int(sys.argv[1]), timeout=10)\n"
         "c.set('from_child', 'hello')\n"
         "assert c.get('from_parent') == b'parent'\n"
@@ -115,7 +115,7 @@ def test_module_imports_and_works_without_torch(server: dist.TCPStore) -> None:
 
 @pytest.mark.timeout(60)
 def test_module_file_stands_alone_without_torch() -> None:
-    import inprocess.tcpstore_client as module
+    import inprocess.control.tcpstore_client as module
 
     code = (
         "import importlib.util, sys\n"

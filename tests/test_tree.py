@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inprocess import Compose, protocol
-from inprocess.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
@@ -468,7 +468,7 @@ def test_simple_algorithms_after_tree_compose_as_documented():
 _DETERMINISM_SCRIPT = textwrap.dedent(
     """
     import json
-    from inprocess.membership import Membership
+    from inprocess.control.membership import Membership
     from inprocess.rank_assignment import Layer, LayerFlag, Topology, Tree, run_assignment
     names = ["rack%d/node%d" % (r // 16, r // 4) for r in range(64)]
     tree = Tree([Layer(key_or_fn="job", flag=LayerFlag.RESERVE),

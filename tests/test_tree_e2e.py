@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from inprocess._local_launch import LocalJob
+from inprocess.launch import LocalJob
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "tree_worker.py"
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import inprocess
 from inprocess import _native
-from inprocess.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
-from inprocess.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol, decide
+from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from inprocess.control.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol, decide
 from inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
@@ -256,7 +256,7 @@ def test_refuses_to_start_when_a_process_group_exists(monkeypatch, tmp_path):
 
 
 def test_single_rank_job_runs_with_current_call(monkeypatch):
-    from inprocess._local_launch import free_port
+    from inprocess.launch import free_port
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

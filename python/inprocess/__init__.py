@@ -5,7 +5,7 @@ every healthy rank aborts, cleans up, agrees on a new membership and calls
 the function again, in the same process.
 
 Names that need torch load on first use, so that a monitor process can import
-``inprocess.protocol`` without paying for torch.
+``inprocess.control.protocol`` without paying for torch.
 """
 
 from __future__ import annotations
@@ -48,7 +48,14 @@ _LAZY_MODULES = (
 )
 
 if TYPE_CHECKING:
-    from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
+    from . import abort
+    from . import completion
+    from . import finalize
+    from . import health_check
+    from . import initialize
+    from . import rank_assignment
+    from . import store
+    from . import terminate
     from .wrap import CallWrapper, RestartRecord, Wrapper, current_call
 
 

@@ -6,7 +6,7 @@ import abc
 import logging
 from typing import Optional
 
-from . import pg_tracker
+from .engine import pg_tracker
 from .state import FrozenState
 
 log = logging.getLogger("inprocess")
@@ -34,7 +34,7 @@ class AbortTorchDistributed(Abort):
     group's worker threads, so a work still queued never completes and a
     waiter (DDP's ``Reducer::finalize_backward``) blocks forever (seen here).
     Gloo is released instead by shutting its pair sockets down (see
-    :mod:`inprocess.pg_tracker`): every work in flight or queued then fails
+    :mod:`inprocess.engine.pg_tracker`): every work in flight or queued then fails
     at once.
 
     The groups are destroyed afterwards by the engine, in the main thread,

@@ -4,7 +4,7 @@ Unlike ``nvidia_resiliency_ext.inprocess``, where each rank runs the assignment
 on its own view, here the last rank to arrive at the restart barrier runs it
 once for the whole job and publishes the result, which every rank reads
 (design principle 3). A :class:`RankAssignment` therefore maps a whole
-:class:`~inprocess.membership.Membership` to the next one. The built-in
+:class:`~inprocess.control.membership.Membership` to the next one. The built-in
 classes keep that library's names and meaning, so configurations carry over;
 a custom subclass must be ported to the whole-table interface.
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from .compose import Compose, leaves
 from .exception import RankDiscarded
-from .membership import ACTIVE, NONE, TERMINATED, Membership
+from .control.membership import ACTIVE, NONE, TERMINATED, Membership
 
 __all__ = [
     "RankAssignment",

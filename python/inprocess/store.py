@@ -5,7 +5,7 @@ extra client connections with :func:`clone` (its restart trigger blocks on
 one, the wrapped function's own rendezvous uses another).
 
 Where the TCPStore server lives: rank ``tcp_store_host_rank`` (default 0)
-starts it in a process of its own (:mod:`inprocess.store_host`) and connects
+starts it in a process of its own (:mod:`inprocess.processes.store_host`) and connects
 to it like every other rank, so that a SIGKILL of that rank's training process
 leaves the server, and the job, running. The store host exits once the last
 rank left the wrapped call. Under torchrun with its shared agent store
@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import sockets
-from .store_host import StoreHostProcess, spawn_store_host
+from .engine import sockets
+from .processes.store_host import StoreHostProcess, spawn_store_host
 
 
 def _env_int(name: str) -> int:

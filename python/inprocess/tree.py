@@ -2,7 +2,7 @@
 
 The names and parameters are those of ``nvidia_resiliency_ext.inprocess``;
 the algorithm runs once per restart on the leader over the whole job's
-:class:`~inprocess.membership.Membership` (design principle 3), so it is
+:class:`~inprocess.control.membership.Membership` (design principle 3), so it is
 written over plain lists and stays well under 100 ms at 16,384 ranks
 (``benchmarks/rank_assignment_scale.py``).
 
@@ -76,7 +76,7 @@ import socket
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from .compose import leaves
-from .membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from .control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 
 if TYPE_CHECKING:
     from .rank_assignment import RankAssignmentCtx

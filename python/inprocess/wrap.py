@@ -47,16 +47,18 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
 
-from . import _native, pg_tracker, sockets
+from . import _native
+from .engine import pg_tracker
+from .engine import sockets
 from . import store as store_mod
-from . import store_host
+from .processes import store_host
 from .abort import AbortTorchDistributed
 from .compose import Compose
-from .config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
+from .engine.config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
 from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
-from .membership import Membership
-from . import protocol
-from .protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .control.membership import Membership
+from .control import protocol
+from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .rank_assignment import (
     ActivateAllRanks,
     ShiftRanks,
@@ -65,9 +67,10 @@ from .rank_assignment import (
     key_gathering_leaves,
 )
 from .state import FrozenState, Mode, State
-from .interrupt import MainThreadInterrupter
-from .trigger import IterationOutcome, RestartTrigger
-from .node_agent import NodeLayout, NodeLink, socket_name, spawn_node_agent
+from .engine.interrupt import MainThreadInterrupter
+from .engine.trigger import IterationOutcome, RestartTrigger
+from .control.node_link import NodeLayout, NodeLink, socket_name
+from .processes.node_agent import spawn_node_agent
 
 log = logging.getLogger("inprocess")
 
@@ -123,7 +126,7 @@ class Wrapper:
     - ``enabled=False`` returns the function untouched.
     - ``node_agent`` (not in nvidia_resiliency_ext): one process per node
       carries the restart's store traffic for the node's ranks
-      (:mod:`inprocess.node_agent`), so the store serves nodes, not ranks.
+      (:mod:`inprocess.processes.node_agent`), so the store serves nodes, not ranks.
       None (default): used when the launcher describes several nodes with
       more than one rank each (LOCAL_WORLD_SIZE between 2 and WORLD_SIZE-1,
       or SLURM's equivalents); True: required (ValueError without a node
@@ -468,7 +471,7 @@ class CallWrapper:
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns, aborted_ns=outcome.aborted_ns)
         # Back in the main thread, the failed iteration's frames gone and its
         # collectives ended: destroying the groups here cannot race with DDP
-        # nor deadlock on the gloo workers (see inprocess.pg_tracker).
+        # nor deadlock on the gloo workers (see inprocess.engine.pg_tracker).
         pg_tracker.release_groups()
         sys.excepthook = self._saved_excepthook
         self._user_client, self._user_sockets = None, {}
@@ -700,7 +703,7 @@ class CallWrapper:
         if not isinstance(store, dist.TCPStore):
             log.info("no monitor process: it speaks TCPStore only (store is %s)", type(store).__name__)
             return None
-        from .monitor import spawn_monitor
+        from .processes.monitor import spawn_monitor
 
         t = self._w.timeouts
         assert self._heartbeat is not None

@@ -76,7 +76,7 @@ def inject(kind):
             try:
                 if not pid.isdigit() or int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
                     continue
-                if b"inprocess.monitor" in open(f"/proc/{pid}/cmdline", "rb").read():
+                if b"inprocess.processes.monitor" in open(f"/proc/{pid}/cmdline", "rb").read():
                     os.kill(int(pid), sig)
                     log["monitor_signalled"] = int(pid)
                     return

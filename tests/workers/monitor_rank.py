@@ -19,7 +19,7 @@ import sys
 import time
 
 from inprocess import _native
-from inprocess.monitor import spawn_monitor
+from inprocess.processes.monitor import spawn_monitor
 
 plan = json.loads(sys.argv[1])
 page = _native.HeartbeatPage.create()

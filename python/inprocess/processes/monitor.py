@@ -1,6 +1,6 @@
 """The monitor process: one per rank, spawned, watching the rank from outside.
 
-Run as ``python -m inprocess.monitor ...`` (see :func:`spawn_monitor`, which
+Run as ``python -m inprocess.processes.monitor ...`` (see :func:`spawn_monitor`, which
 the rank process calls). The monitor
 
 - sees the rank's death at once through a pidfd (no poll interval),
@@ -13,15 +13,15 @@ the rank process calls). The monitor
 - exits when the rank exits; it never outlives it.
 
 It imports no torch (it stays around 20 MB instead of 220 MB): the store is
-reached with :class:`inprocess.tcpstore_client.TCPStoreClient`, the restart
-protocol is :mod:`inprocess.protocol`. It connects to the store only when it
+reached with :class:`inprocess.control.tcpstore_client.TCPStoreClient`, the restart
+protocol is :mod:`inprocess.control.protocol`. It connects to the store only when it
 has something to write (or to heartbeat), so a job whose ranks never fail
 costs the store no connection per rank.
 
 What the monitor does with a dead rank: nothing if its page says it had left
 the wrapper (phase DONE or TERMINATED: it told the store itself). Otherwise it
 counts the rank out at the first barrier the rank was not counted at (its
-seat in the store says which: see :mod:`inprocess.protocol`): it records the
+seat in the store says which: see :mod:`inprocess.control.protocol`): it records the
 fault for the iteration before that barrier, requests the restart, and arrives
 there as terminated for the rank (expected = that barrier's membership size,
 read from the previous decision). The seat's compare_set makes the count exact
@@ -49,9 +49,9 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from . import _native
-from .protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
-from .state import Mode
+from .. import _native
+from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
+from ..state import Mode
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -64,7 +64,7 @@ _FOREVER_NS = 10 * 365 * 24 * 3600 * _NS
 _FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
 _BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
 
-log = logging.getLogger("inprocess.monitor")
+log = logging.getLogger("inprocess.processes.monitor")
 
 
 # -- command line -------------------------------------------------------------
@@ -86,7 +86,7 @@ def _positive(kind: type, name: str, allow_zero: bool = False):  # type: ignore[
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m inprocess.monitor",
+        prog="python -m inprocess.processes.monitor",
         description="Watch one rank of an inprocess job: record its death in the store, enforce its hard timeout.",
     )
     p.add_argument("--store-host", required=True, help="TCPStore server host")
@@ -250,7 +250,7 @@ class Monitor:
     # store ------------------------------------------------------------------
 
     def _connect(self) -> Any:
-        from .tcpstore_client import TCPStoreClient
+        from ..control.tcpstore_client import TCPStoreClient
 
         timeout = datetime.timedelta(seconds=self.args.store_timeout_s)
         return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout)
@@ -510,7 +510,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handler: logging.Handler
     handler = logging.FileHandler(args.logfile) if args.logfile else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
-        f"%(asctime)s inprocess.monitor[rank {args.rank}, pid %(process)d] %(levelname)s %(message)s"
+        f"%(asctime)s inprocess.processes.monitor[rank {args.rank}, pid %(process)d] %(levelname)s %(message)s"
     ))
     log.addHandler(handler)
     log.setLevel(args.log_level)
@@ -560,7 +560,7 @@ def spawn_monitor(
     needing it (or let it exit by itself when the rank exits).
     """
     argv = [
-        sys.executable, "-m", "inprocess.monitor",
+        sys.executable, "-m", "inprocess.processes.monitor",
         "--store-host", store_host, "--store-port", str(store_port),
         "--call", str(call), "--rank", str(rank),
         "--heartbeat-fd", str(heartbeat.fd), "--pid", str(os.getpid()),

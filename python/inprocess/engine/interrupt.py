@@ -24,7 +24,7 @@ import signal
 import threading
 from typing import Any, Iterator, Optional
 
-from .exception import RankShouldRestart
+from ..exception import RankShouldRestart
 
 # A real-time signal: SIGUSR1/SIGUSR2 are often taken by schedulers (SLURM's
 # --signal) and training scripts for checkpoint-on-preemption.

@@ -15,7 +15,7 @@ import time
 from typing import Callable, Optional
 
 from .interrupt import MainThreadInterrupter
-from .protocol import RESTART, RestartProtocol
+from ..control.protocol import RESTART, RestartProtocol
 
 # Exit status of a rank whose main thread the abort could not release (design
 # principle 9): the launcher sees it and may replace the process.

@@ -4,7 +4,7 @@ A monitor process needs the job's coordination store, which is the server of
 ``torch.distributed.TCPStore``; importing torch to reach it would cost a
 monitor ~200 MB. :class:`TCPStoreClient` speaks the server's wire protocol over
 a plain socket and offers the Store methods the restart engine uses (see
-:mod:`inprocess.protocol`). Values written by torch's client are read by this
+:mod:`inprocess.control.protocol`). Values written by torch's client are read by this
 one and the other way round: both address the same keys.
 
 The wire protocol (torch 2.13; identical for both server backends, libuv and

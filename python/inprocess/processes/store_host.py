@@ -1,6 +1,6 @@
 """The job's TCPStore server, in a process of its own.
 
-Run as ``python -m inprocess.store_host`` (see :func:`spawn_store_host`; the
+Run as ``python -m inprocess.processes.store_host`` (see :func:`spawn_store_host`; the
 rank that hosts the store, rank 0 by default, starts it from
 :class:`inprocess.store.TCPStore`). Why a process of its own: a server inside
 rank 0's training process dies with it, and with it the whole job's
@@ -42,9 +42,9 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from .protocol import done_key, is_timeout, monitor_heartbeat_key
+from ..control.protocol import done_key, is_timeout, monitor_heartbeat_key
 
-log = logging.getLogger("inprocess.store_host")
+log = logging.getLogger("inprocess.processes.store_host")
 
 CALL_KEY = "inprocess/store_host/call"
 EXIT_OK = 0
@@ -54,7 +54,7 @@ _READY = "ready"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inprocess.store_host",
+    p = argparse.ArgumentParser(prog="python -m inprocess.processes.store_host",
                                 description="Host the TCPStore server of an inprocess job.")
     p.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
     p.add_argument("--world-size", type=int, required=True, help="initial world size of the job")
@@ -170,7 +170,7 @@ def _report(fd: int, line: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s inprocess.store_host[pid %(process)d] %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter("%(asctime)s inprocess.processes.store_host[pid %(process)d] %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(args.log_level)
     log.propagate = False
@@ -228,7 +228,7 @@ def spawn_store_host(
     """
     read_fd, write_fd = os.pipe()
     argv = [
-        sys.executable, "-m", "inprocess.store_host", "--port", str(port), "--world-size", str(world_size),
+        sys.executable, "-m", "inprocess.processes.store_host", "--port", str(port), "--world-size", str(world_size),
         "--ready-fd", str(write_fd), "--parent-pid", str(os.getpid()),
         "--idle-timeout-s", repr(float(idle_timeout_s)), "--libuv", str(int(use_libuv)),
     ]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .exception import InternalError
-from .state import Mode
+from ..exception import InternalError
+from ..state import Mode
 
 ACTIVE = int(Mode.ACTIVE)
 INACTIVE = int(Mode.INACTIVE)

@@ -46,7 +46,7 @@ assignment once, writes the decision and deletes the keys of iteration i-1.
 Only a healthy training rank can lead: a monitor process, arriving for a dead
 rank, holds no rank assignment (and must not: no code crosses the store).
 
-With node agents (:mod:`inprocess.node_agent`), a rank's event and barrier
+With node agents (:mod:`inprocess.processes.node_agent`), a rank's event and barrier
 outcome come from its node's board instead: the agent waits for the event
 and the decision once for the node and forwards the node's healthy arrivals
 in one ``add`` per batch. The rank still takes its seat here, so counting
@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Optional
 import builtins
 import logging
 
-from .exception import InternalError, TimeoutError
+from ..exception import InternalError, TimeoutError
 from .membership import Membership
 
 RESTART = "restart"
@@ -202,7 +202,7 @@ def decide(
     Never raises: a failing rank assignment becomes a decision that ends the
     job on every rank (``abort``), with the error in its message.
     """
-    from .rank_assignment import Topology, run_assignment
+    from ..rank_assignment import Topology, run_assignment
 
     start = time.monotonic_ns()
     abort = None
@@ -270,7 +270,7 @@ class RestartProtocol:
         self.store = store
         self.prefix = f"inprocess/{call}/"
         self.ops = 0  # store operations made through this instance
-        # A rank's link to its node agent (inprocess.node_agent.NodeLink), or None:
+        # A rank's link to its node agent (inprocess.processes.node_agent.NodeLink), or None:
         # then the event and the barrier's outcome come from the board, and the
         # rank's healthy arrival goes there. Without it (or once the agent is
         # gone) everything goes to the store directly.
@@ -626,7 +626,7 @@ class RestartProtocol:
             self.finish_job(iteration)
         return decision
 
-    # -- the node board (inprocess.node_agent) ----------------------------------
+    # -- the node board (inprocess.processes.node_agent) ----------------------------------
 
     def arrive_batch(self, iteration: int, count: int, expected: int) -> tuple[int, int, bool]:
         """The node agent forwards ``count`` healthy arrivals (their ranks took

@@ -1,0 +1,139 @@
+"""A rank's side of its node agent: where the rank sits on its node, the
+agent's socket name, and the link through which the rank reads and writes the
+node's board (:class:`inprocess._native.NodeBoard`).
+
+The agent's side (the process, its relay threads) is
+:mod:`inprocess.processes.node_agent`. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from typing import Any, Optional
+
+from .. import _native
+
+log = logging.getLogger("inprocess.processes.node_agent")
+
+# The first bytes the agent sends on a new connection, with the board's descriptor.
+HELLO = b"inprocess-node-board 1\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """Where this rank sits on its node, from the launcher's environment."""
+
+    node: str  # names the node among the job's nodes
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls, env: Optional[dict[str, str]] = None) -> Optional["NodeLayout"]:
+        """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK, or SLURM's
+        SLURM_LOCALID / SLURM_NTASKS_PER_NODE / SLURM_NODEID; None without them."""
+        env = dict(os.environ) if env is None else env
+        for local, size, node in (
+            ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+            ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),
+        ):
+            if local in env and size in env:
+                try:
+                    local_rank, local_world_size = int(env[local]), int(env[size])
+                except ValueError:
+                    raise ValueError(f"{local}={env[local]!r}, {size}={env[size]!r}: expected integers") from None
+                if not 0 <= local_rank < local_world_size:
+                    raise ValueError(f"{local}={local_rank} is not in [0, {size}={local_world_size})")
+                return cls(env.get(node, socket.gethostname()), local_rank, local_world_size)
+        return None
+
+
+# Set by the launchers, different for every incarnation of a job: torchrun
+# restarts its workers with the same store address and call index, and an
+# agent of the previous workers may still be winding down.
+_INCARNATION_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                     "SLURM_RESTART_COUNT")
+
+
+def socket_name(store_host: str, store_port: int, call: int, node: str, env: Optional[dict[str, str]] = None) -> bytes:
+    """Abstract Unix socket name of a node's agent: unique per job incarnation, call and node.
+
+    The agent inherits its spawner's environment, so both sides name the same socket.
+    """
+    env = dict(os.environ) if env is None else env
+    incarnation = ",".join(env.get(name, "") for name in _INCARNATION_VARS)
+    return f"\0inprocess-node/{store_host}:{store_port}/{incarnation}/{call}/{node}".encode()
+
+
+class NodeLink:
+    """A rank's connection to its node agent: the board, its slot, the agent's liveness.
+
+    ``sock`` is the connection the agent counts the node's ranks by; ``pidfd``
+    (of the agent) tells this rank when the agent is gone, also when it could
+    not close the board (SIGKILL). The simulator links its ranks to boards of
+    its own, without either.
+    """
+
+    def __init__(self, board: Any, slot: int, sock: Optional[socket.socket] = None, pidfd: int = -1):
+        if not 0 <= slot < board.slots:
+            raise ValueError(f"local rank {slot} is not in [0, {board.slots}) (the node board's slots)")
+        self.board = board
+        self.slot = slot
+        self._sock = sock
+        self._pidfd = pidfd
+        self._lost = False
+
+    @classmethod
+    def connect(cls, name: bytes, slot: int, timeout: float) -> "NodeLink":
+        """Connect to the agent (retrying until it listens) and map its board."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                sock.connect(name)
+                msg, fds, _flags, _addr = socket.recv_fds(sock, len(HELLO), 1)
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no node agent listening on {name[1:].decode()!r} within {timeout:g}s") from None
+                time.sleep(0.02)
+            except BaseException:
+                sock.close()
+                raise
+        try:
+            if msg != HELLO or len(fds) != 1:
+                raise RuntimeError(f"node agent {name[1:].decode()!r} sent {msg!r} with {len(fds)} descriptors")
+            board = _native.NodeBoard.attach(fds[0])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            raise
+        os.close(fds[0])  # attach keeps a duplicate
+        try:
+            return cls(board, slot, sock, _native.pidfd_open(board.agent_pid))
+        except BaseException:
+            sock.close()
+            raise
+
+    def alive(self) -> bool:
+        """False for good once the agent exited or closed the board."""
+        if self._lost:
+            return False
+        if self.board.closed or (self._pidfd >= 0 and _native.wait_for_exit(self._pidfd, 0)):
+            self._lost = True
+            log.warning("node agent (pid %d) is gone: this rank talks to the store directly", self.board.agent_pid)
+        return not self._lost
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
