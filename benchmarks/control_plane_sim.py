@@ -192,10 +192,16 @@ from typing import Any, Callable, Optional
 from inprocess import _native
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership
 from inprocess.control.node_link import NodeLink
-from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
 from inprocess.control.protocol import (
-    COMPLETE, WAIT_CHUNK_S, Decision, FaultRecord, RestartProtocol, decide, monitor_heartbeat_key,
+    COMPLETE,
+    WAIT_CHUNK_S,
+    Decision,
+    FaultRecord,
+    RestartProtocol,
+    decide,
+    monitor_heartbeat_key,
 )
+from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 
 HOST = "127.0.0.1"

@@ -141,6 +141,7 @@ def role_of(proc: Any) -> str | None:
 def measure_job(mode: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: float) -> dict[str, Any]:
     """Start a job, wait until every rank is parked, read its processes, release it; always reaped."""
     import psutil
+
     from inprocess.launch import LocalJob
 
     out = tmp / tag

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
-from inprocess.processes.node_agent import spawn_node_agent
 from inprocess.control.protocol import RestartProtocol, decide
+from inprocess.processes.node_agent import spawn_node_agent
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 

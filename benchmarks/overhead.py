@@ -153,8 +153,9 @@ def train_loop(rank: int, world_size: int, steps: int, warmup: int, ping: Any, a
 
 def alternate_rank(steps: int, warmup: int) -> dict[str, Any]:
     """Rounds of one plain and one wrapped segment, in the order the driver gives."""
-    import inprocess
     import torch.distributed as dist
+
+    import inprocess
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=30)

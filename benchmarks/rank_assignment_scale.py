@@ -196,7 +196,7 @@ def main() -> None:
         topo = gather(ra, n)
         row(f"simple: {name}", lambda ra=ra, topo=topo: run_assignment(ra, everyone, lost_random, 1, topo)[0])
 
-    header = f"| decision | median ms | min ms | max ms | active after | world after |"
+    header = "| decision | median ms | min ms | max ms | active after | world after |"
     lines = [header, "|---|---:|---:|---:|---:|---:|"]
     for name, times, out in rows:
         lines.append(

@@ -30,8 +30,8 @@ import inprocess
 from inprocess.control import protocol
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership
 from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
-from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 from inprocess.control.tcpstore_client import TCPStoreClient
+from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -3,7 +3,6 @@ one that started the store host); the three survivors finish the training."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import signal

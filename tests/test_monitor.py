@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from inprocess import _native
-from inprocess.processes.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
 from inprocess.control.protocol import TERMINATED_UNIT, RestartProtocol
+from inprocess.processes.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
 
 torch_dist = pytest.importorskip("torch.distributed")
 

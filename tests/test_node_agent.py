@@ -20,8 +20,8 @@ from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
-from inprocess.processes.node_agent import NodeRelay
 from inprocess.control.protocol import RestartProtocol, decide
+from inprocess.processes.node_agent import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 NODES = {"ranks_per_node": 3, "world_size": 6}

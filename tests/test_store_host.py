@@ -16,8 +16,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from inprocess.processes import store_host
 from inprocess.control.protocol import done_key, monitor_heartbeat_key
+from inprocess.processes import store_host
 
 pytestmark = pytest.mark.timeout(90)
 

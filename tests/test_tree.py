@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inprocess import Compose, protocol
+from inprocess import Compose
+from inprocess.control import protocol
 from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from inprocess.rank_assignment import (
     ActivateAllRanks,

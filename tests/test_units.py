@@ -24,9 +24,9 @@ from inprocess.rank_assignment import (
     FillGaps,
     MaxActiveWorldSize,
     ShiftRanks,
+    Topology,
     run_assignment,
 )
-from inprocess.rank_assignment import Topology
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -227,8 +227,9 @@ def test_disabled_wrapper_returns_the_function_untouched():
 
 
 def test_call_wrapper_parameter_is_found_by_annotation():
-    from inprocess.wrap import _call_wrapper_parameter
     from typing import Optional as Opt
+
+    from inprocess.wrap import _call_wrapper_parameter
 
     def a(x, cw: inprocess.CallWrapper):
         pass

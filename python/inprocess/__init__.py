@@ -48,14 +48,7 @@ _LAZY_MODULES = (
 )
 
 if TYPE_CHECKING:
-    from . import abort
-    from . import completion
-    from . import finalize
-    from . import health_check
-    from . import initialize
-    from . import rank_assignment
-    from . import store
-    from . import terminate
+    from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
     from .wrap import CallWrapper, RestartRecord, Wrapper, current_call
 
 

@@ -20,8 +20,8 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .compose import Compose, leaves
-from .exception import RankDiscarded
 from .control.membership import ACTIVE, NONE, TERMINATED, Membership
+from .exception import RankDiscarded
 
 __all__ = [
     "RankAssignment",

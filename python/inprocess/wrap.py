@@ -48,17 +48,20 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from . import _native
-from .engine import pg_tracker
-from .engine import sockets
 from . import store as store_mod
-from .processes import store_host
 from .abort import AbortTorchDistributed
 from .compose import Compose
-from .engine.config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
-from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
-from .control.membership import Membership
 from .control import protocol
+from .control.membership import Membership
+from .control.node_link import NodeLayout, NodeLink, socket_name
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine import pg_tracker, sockets
+from .engine.config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
+from .engine.interrupt import MainThreadInterrupter
+from .engine.trigger import IterationOutcome, RestartTrigger
+from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
+from .processes import store_host
+from .processes.node_agent import spawn_node_agent
 from .rank_assignment import (
     ActivateAllRanks,
     ShiftRanks,
@@ -67,10 +70,6 @@ from .rank_assignment import (
     key_gathering_leaves,
 )
 from .state import FrozenState, Mode, State
-from .engine.interrupt import MainThreadInterrupter
-from .engine.trigger import IterationOutcome, RestartTrigger
-from .control.node_link import NodeLayout, NodeLink, socket_name
-from .processes.node_agent import spawn_node_agent
 
 log = logging.getLogger("inprocess")
 

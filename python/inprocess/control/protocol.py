@@ -58,15 +58,14 @@ store client. A store is anything with torch's Store methods.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import datetime
 import json
+import logging
 import socket
 import time
 from typing import Any, Callable, Iterable, Optional
-
-import builtins
-import logging
 
 from ..exception import InternalError, TimeoutError
 from .membership import Membership

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .interrupt import MainThreadInterrupter
 from ..control.protocol import RESTART, RestartProtocol
+from .interrupt import MainThreadInterrupter
 
 # Exit status of a rank whose main thread the abort could not release (design
 # principle 9): the launcher sees it and may replace the process.

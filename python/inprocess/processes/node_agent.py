@@ -32,7 +32,6 @@ This module imports no torch: the agent is a small process (like a monitor).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
