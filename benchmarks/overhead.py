@@ -219,7 +219,7 @@ def ping_rank() -> dict[str, Any]:
 
     @inprocess.Wrapper()
     def measure(call_wrapper: inprocess.CallWrapper = None) -> dict[str, list[float]]:
-        native = call_wrapper._heartbeat.ping  # the binding ping() calls; private, for the breakdown only
+        native = call_wrapper._runtime.heartbeat.ping  # the binding ping() calls; private, for the breakdown only
         res: dict[str, list[float]] = {"ping": [], "empty_function": [], "native_ping": [], "empty_loop": []}
         for _ in range(batches):  # interleaved, so that all four see the same noise
             res["ping"].append(timed(call_wrapper.ping))

@@ -28,10 +28,10 @@ from .state import FrozenState, Mode, State
 __version__ = "0.1.0"
 
 _LAZY_ATTRIBUTES = {
-    "CallWrapper": "wrap",
-    "RestartRecord": "wrap",
+    "CallWrapper": "call_wrapper",
+    "RestartRecord": "call_wrapper",
     "Wrapper": "wrap",
-    "current_call": "wrap",
+    "current_call": "call_wrapper",
 }
 _LAZY_MODULES = (
     "abort",
@@ -49,7 +49,8 @@ _LAZY_MODULES = (
 
 if TYPE_CHECKING:
     from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
-    from .wrap import CallWrapper, RestartRecord, Wrapper, current_call
+    from .call_wrapper import CallWrapper, RestartRecord, current_call
+    from .wrap import Wrapper
 
 
 def __getattr__(name: str) -> Any:

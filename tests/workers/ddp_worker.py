@@ -85,7 +85,7 @@ def inject(kind):
         raise RuntimeError("no monitor process found among this rank's children")
     if kind == "kill_node_agent":
         # This node's agent process is SIGKILLed; the node's ranks go on without it.
-        link = LAST_CALL["call"]._node_link
+        link = LAST_CALL["call"]._runtime.node_link
         if link is None:
             raise RuntimeError("kill_node_agent: this rank has no node agent")
         os.kill(link.board.agent_pid, 9)
@@ -227,7 +227,7 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
         "steps": 0,
         "started_ns": time.monotonic_ns(),
     }
-    link = call_wrapper._node_link
+    link = call_wrapper._runtime.node_link
     entry["node_agent"] = None if link is None else link.board.agent_pid
     # The last barrier at which the agent counted this rank (its arrival went through the board).
     entry["forwarded"] = None if link is None else link.board.forwarded(link.slot)

@@ -1,0 +1,557 @@
+"""``CallWrapper``: one call of a wrapped function, and its restart loop.
+
+:meth:`CallWrapper._run` is the state machine; it reads top to bottom::
+
+    JOIN ──► ITERATION i ──returned everywhere──► COMPLETE ──► return value
+                │  ▲
+     fault on   │  │ decision of barrier i+1
+     any rank   ▼  │
+             RESTART: abort ► finalize ► health check ► barrier i+1
+                │
+                └─ BaseException, failed recovery hook, or discarded ──► TERMINATED (re-raise)
+
+What the machine runs on (store connections, trigger, watchdog, monitor, …)
+is opened and closed by :class:`inprocess.engine.runtime.RankRuntime`. The
+rule for exceptions in hooks is in :mod:`inprocess.wrap`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import enum
+import logging
+import os
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
+
+import torch.distributed as dist
+
+from . import _native
+from . import store as store_mod
+from .control import protocol
+from .control.membership import Membership
+from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine.runtime import RankRuntime
+from .engine.trigger import IterationOutcome
+from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
+from .rank_assignment import Topology, key_gathering_leaves
+from .state import FrozenState, Mode, State
+
+if TYPE_CHECKING:
+    from .wrap import Wrapper
+
+log = logging.getLogger("inprocess")
+
+_Phase = _native.Phase
+
+_current_lock = threading.Lock()
+_current: Optional["CallWrapper"] = None
+_call_counter = 0
+
+
+def current_call() -> Optional["CallWrapper"]:
+    """The :class:`CallWrapper` of the wrapped call running in this process, if any.
+
+    Use it where the function cannot take a ``CallWrapper`` parameter (behind
+    ``*args, **kwargs`` adapters, decorators, or deep inside a training loop).
+    """
+    return _current
+
+
+
+def _seconds(td: datetime.timedelta) -> float:
+    return td.total_seconds()
+
+
+@dataclasses.dataclass
+class RestartRecord:
+    """One restart as this rank saw it (timestamps: CLOCK_MONOTONIC ns of this host).
+
+    ``CallWrapper.restarts`` lists them, oldest first, for the function to read
+    (the demo prints them).
+    """
+
+    iteration: int  # the iteration that failed
+    faults: list[FaultRecord]
+    n_faults: int
+    terminated: list[int]
+    fault_ns: int = 0  # earliest fault recorded on this host, else 0
+    detected_ns: int = 0
+    aborted_ns: int = 0
+    finalized_ns: int = 0
+    health_checked_ns: int = 0
+    decided_ns: int = 0
+    initialized_ns: int = 0
+    assignment_ns: int = 0  # duration of the rank assignment on the leader
+
+    @property
+    def duration_s(self) -> float:
+        """Fault (or detection, for faults on other hosts) to resumption, in seconds."""
+        start = self.fault_ns or self.detected_ns
+        end = self.initialized_ns or self.decided_ns
+        return max(0, end - start) / 1e9
+
+
+class Leave(enum.Enum):
+    """Why a rank leaves the job. The value is the fault kind the store records."""
+
+    TERMINATED = "terminated"  # a BaseException that is not the engine's own
+    COMPLETION_TIMEOUT = "completion_timeout"  # the other active ranks did not return
+    STORE_LOST = "store"  # the restart trigger stopped without an outcome
+    ABORT_FAILED = "abort"  # the abort hook raised or did not finish
+    FINALIZE_FAILED = "finalize"
+    HEALTH_CHECK_FAILED = "health_check"
+    COUNTED_OUT = "counted_out"  # a monitor declared this rank lost and counted it out
+    DISCARDED = "discarded"  # the rank assignment terminated it
+    JOB_ABORTED = "abort_job"  # the decision ended the job on every rank
+
+    @property
+    def counted_already(self) -> bool:
+        """The store knows already: the rank records no fault and does not count itself out."""
+        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ABORTED)
+
+
+class _LeaveJob(Exception):
+    """Internal: unwinds the state machine to TERMINATED with the exception this rank leaves with."""
+
+    def __init__(self, exc: BaseException, reason: Leave):
+        super().__init__(reason.value)
+        self.exc = exc
+        self.reason = reason
+
+
+class CallWrapper:
+    """One call of a wrapped function: its state and the restart loop.
+
+    It is passed to the function as the parameter annotated ``CallWrapper``
+    (or ``Optional[CallWrapper]``), and is also returned by
+    :func:`inprocess.current_call`. The function receives the same argument
+    objects on every iteration: state it mutates carries over.
+    ``restarts`` lists a :class:`RestartRecord` per restart this rank went through.
+    """
+
+    def __init__(self, wrapper: Wrapper):
+        self._w = wrapper
+        self.state: State
+        self.restarts: list[RestartRecord] = []
+        self._rt: Optional[RankRuntime] = None  # set while the call runs
+        self._membership: Optional[Membership] = None
+        self._topology: Optional[Topology] = None
+        self._key_owners = key_gathering_leaves(wrapper.rank_assignment)
+
+    # -- public API (used from inside the wrapped function) --------------------
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @property
+    def frozen_state(self) -> FrozenState:
+        return self.state.freeze()
+
+    def ping(self) -> None:
+        """Manual progress: arms the soft/hard timeouts for the rest of the iteration."""
+        if self._rt is not None:
+            self._rt.heartbeat.ping()
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A block that a restart does not interrupt: it waits for the block's end.
+
+        Do not run collectives inside: a peer's fault cannot release them.
+        """
+        with self._runtime.interrupter.lock:
+            yield
+
+    @contextlib.contextmanager
+    def disable_hang_protection(self) -> Iterator[None]:
+        """Suspends the soft and hard timeouts for a block, re-arming them after."""
+        if self._rt is None:
+            yield
+            return
+        hb = self._rt.heartbeat
+        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        try:
+            yield
+        finally:
+            # Re-arm from now: the time spent inside the block does not count.
+            hb.stamp_auto()
+            if hb.snapshot().flags & _native.FLAG_MANUAL_ARMED:
+                hb.ping()
+            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
+
+    @property
+    def store(self) -> dist.Store:
+        """A store scoped to this iteration, for ``init_process_group(store=...)``.
+
+        Its keys are deleted once every rank has left the iteration.
+        """
+        if self._rt is None:
+            raise RuntimeError("CallWrapper.store is available inside the wrapped function only")
+        return self._rt.iteration_store(self.state.iteration)
+
+    @property
+    def _runtime(self) -> RankRuntime:
+        if self._rt is None:
+            raise RuntimeError("this CallWrapper's call is not running")
+        return self._rt
+
+    # -- the restart loop ------------------------------------------------------
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call_index = self._enter()
+        try:
+            self._rt = RankRuntime.open(
+                self._w, self.state, call_index,
+                on_soft_timeout=self._on_soft_timeout,
+                run_abort=self._run_abort_hook,
+                leave_unreleasable=self._leave_unreleasable,
+            )
+            try:
+                return self._run(fn, args, kwargs)
+            finally:
+                self._rt.close()
+        finally:
+            self._exit()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rt = self._runtime
+        try:
+            self._set_phase(_Phase.INITIAL_BARRIER)
+            self._join()
+            while True:
+                i = self.state.iteration
+                rt.interrupter.reset()
+                outcome = rt.trigger.arm(i, active=self.state.mode == Mode.ACTIVE)
+                log.debug("iteration %d: rank %d runs as %s", i, self.state.initial_rank, self.state.mode.name)
+                if self.state.mode == Mode.ACTIVE:
+                    completed, value = self._run_active(fn, args, kwargs, outcome)
+                else:
+                    completed, value = self._wait_as_spare(outcome)
+                if completed:
+                    return self._complete(value)
+                self._restart(outcome)
+        except _LeaveJob as leaving:
+            self._leave_job(leaving)
+
+    def _join(self) -> None:
+        s = self.state
+        if self._key_owners:
+            keys = [list(owner.local_keys(s.initial_rank, s.initial_world_size)) for owner in self._key_owners]
+            self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
+        self._apply(self._barrier(0, s.initial_world_size))
+
+    def _run_active(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], outcome: IterationOutcome
+    ) -> tuple[bool, Any]:
+        s = self.state
+        rt = self._runtime
+        s.fn_exception = None
+        rt.open_iteration_store()
+        try:
+            self._set_phase(_Phase.RUNNING)
+            with rt.interrupter.running(), self._hang_protection():
+                if self._w.initialize is not None:
+                    self._w.initialize(s.freeze())
+                if self.restarts:
+                    self.restarts[-1].initialized_ns = time.monotonic_ns()
+                value = fn(*args, **kwargs)
+        except RankShouldRestart:
+            return False, None
+        except BaseException as e:
+            self._fault_in_function(e)
+            return False, None
+        # The function returned: wait until it returned on every active rank.
+        self._set_phase(_Phase.COMPLETION)
+        outcome.completing = True  # before the count: from now on the event may be "complete"
+        rt.protocol.arrive_completed(s.iteration, s.active_world_size)
+        timeout = _seconds(self._w.timeouts.completion_timeout)
+        if not outcome.done.wait(timeout):
+            late = TimeoutError(f"the other ranks did not complete iteration {s.iteration} within {timeout:g}s")
+            raise _LeaveJob(late, Leave.COMPLETION_TIMEOUT)
+        self._check_outcome(outcome)
+        return outcome.event == COMPLETE, value
+
+    def _fault_in_function(self, e: BaseException) -> None:
+        """The function (or ``initialize``) raised ``e``: a fault of this rank, a
+        consequence of the restart, or a reason to leave."""
+        s = self.state
+        p = self._runtime.protocol
+        if self._runtime.interrupter.fired:
+            # Raised because the restart aborted what this rank was doing.
+            log.debug("rank %d: %s while restarting", s.initial_rank, type(e).__name__)
+            _drop_frames(e)
+            return
+        if not isinstance(e, Exception):
+            raise _LeaveJob(e, Leave.TERMINATED) from None
+        # Publish before the frames are dropped: dropping them may destroy
+        # this rank's process group, and a peer that sees its connection
+        # close must find the restart already requested.
+        first_hand = not p.restart_requested(s.iteration)
+        # An exception after the restart was requested may be a consequence
+        # (a peer's aborted connection) or a fault of its own at the same
+        # moment: it is recorded either way, marked, and only a first-hand
+        # fault counts as this rank's (fn_exception, FaultCounter).
+        kind = "exception" if first_hand else "after_restart"
+        p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e))
+        if first_hand:
+            s.fn_exception = e
+        log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
+        _drop_frames(e)
+
+    def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
+        # A spare blocks on the trigger's event: no CPU burnt while it waits.
+        outcome.done.wait()
+        self._check_outcome(outcome)
+        return outcome.event == COMPLETE, None
+
+    def _check_outcome(self, outcome: IterationOutcome) -> None:
+        if outcome.event is None:
+            e = outcome.abort_error or InternalError("restart trigger stopped without an outcome")
+            raise _LeaveJob(e, Leave.STORE_LOST)
+
+    def _restart(self, outcome: IterationOutcome) -> None:
+        s = self.state
+        barrier_timeout = _seconds(self._w.timeouts.barrier_timeout)
+        fault_iteration = s.iteration
+        self._set_phase(_Phase.ABORTING)
+        if not outcome.done.wait(barrier_timeout):
+            raise _LeaveJob(TimeoutError(f"abort did not finish within {barrier_timeout:g}s"), Leave.ABORT_FAILED)
+        self._check_outcome(outcome)
+        if outcome.abort_error is not None:
+            raise _LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
+        record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
+                               aborted_ns=outcome.aborted_ns)
+        self._runtime.release_iteration()
+        self._set_phase(_Phase.FINALIZING)
+        self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
+        record.finalized_ns = time.monotonic_ns()
+        self._set_phase(_Phase.HEALTH_CHECK)
+        self._run_recovery_hook(self._w.health_check, Leave.HEALTH_CHECK_FAILED)
+        record.health_checked_ns = time.monotonic_ns()
+
+        self._set_phase(_Phase.RESTART_BARRIER)
+        decision = self._barrier(fault_iteration + 1, s.world_size)
+        record.decided_ns = time.monotonic_ns()
+        record.faults, record.n_faults, record.terminated = decision.faults, decision.n_faults, decision.terminated
+        record.assignment_ns = decision.assignment_ns
+        here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
+        record.fault_ns = min(here) if here else 0
+        self.restarts.append(record)
+        self._apply(decision)
+
+    def _barrier(self, iteration: int, expected: int) -> Decision:
+        s = self.state
+        try:
+            decision = self._runtime.protocol.barrier(
+                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
+            )
+        except SeatTaken as e:
+            # A peer's monitor declared this rank lost (this rank's own monitor
+            # stopped heartbeating) and counted it out: it must not count itself in.
+            raise _LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
+                            Leave.COUNTED_OUT) from None
+        assert decision is not None  # a healthy arrival always gets the decision
+        return decision
+
+    def _run_recovery_hook(self, hook: Optional[Callable[[FrozenState], Any]], failed: Leave) -> None:
+        if hook is None:
+            return
+        try:
+            hook(self.state.freeze())
+        except BaseException as e:
+            raise _LeaveJob(e, failed) from None
+
+    def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
+        iteration = 0 if self._membership is None else self.state.iteration + 1
+        previous = self._membership or Membership.all_active(self.state.initial_world_size)
+        return protocol.decide(
+            self._w.rank_assignment, previous, dead, faults, iteration, leader, self._read_topology()
+        )
+
+    def _read_topology(self) -> Topology:
+        if not self._key_owners:
+            return Topology.empty()
+        if self._topology is None:
+            table = self._runtime.protocol.read_topology(self.state.initial_world_size)
+            columns = [[tuple(row[j]) for row in table] for j in range(len(self._key_owners))]
+            self._topology = Topology(self._key_owners, columns)
+        return self._topology
+
+    def _apply(self, decision: Decision) -> None:
+        s = self.state
+        m = decision.membership
+        r = s.initial_rank
+        self._membership = m
+        s.iteration = decision.iteration
+        if decision.abort is not None:
+            self._runtime.protocol.leave(decision.iteration, m.world_size)
+            raise _LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
+        mode = Mode(m.mode[r])
+        if mode == Mode.TERMINATED:
+            raise _LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
+                            Leave.DISCARDED)
+        s.mode = mode
+        s.rank = m.rank[r]
+        s.world_size = m.world_size
+        s.active_rank = m.active_rank[r] if mode == Mode.ACTIVE else None
+        s.active_world_size = m.active_world_size
+        if mode == Mode.ACTIVE:
+            os.environ["RANK"] = str(s.active_rank)
+            os.environ["WORLD_SIZE"] = str(s.active_world_size)
+        else:
+            # A spare has no rank in the running job; it never sees "None" there.
+            os.environ.pop("RANK", None)
+            os.environ.pop("WORLD_SIZE", None)
+        self._runtime.heartbeat.begin_iteration(s.iteration, s.world_size)
+        if decision.leader == r and decision.iteration > 0:
+            self._runtime.delete_user_keys(decision.iteration - 1)
+
+    def _complete(self, value: Any) -> Any:
+        s = self.state
+        self._set_phase(_Phase.DONE)
+        self._runtime.protocol.leave(s.iteration, s.world_size)
+        if self._w.completion is not None:
+            self._w.completion(s.freeze())
+        return value if s.mode == Mode.ACTIVE else None
+
+    def _leave_job(self, leaving: _LeaveJob) -> NoReturn:
+        """TERMINATED: tell the others, arrive for this rank at the barrier, re-raise."""
+        s = self.state
+        p = self._runtime.protocol
+        exc = leaving.exc
+        _drop_frames(exc)
+        s.mode = Mode.TERMINATED
+        log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, leaving.reason.value,
+                    type(exc).__name__, exc)
+        if not leaving.reason.counted_already and self._membership is not None:
+            try:
+                p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
+                self._arrive_terminated(p, s.iteration)
+            except Exception as e:
+                log.error("rank %d could not record its termination: %s", s.initial_rank, e)
+        # Only now: until the rank is counted out, its monitor must count it out if it dies.
+        self._set_phase(_Phase.TERMINATED)
+        if self._w.terminate is not None:
+            try:
+                self._w.terminate(s.freeze())
+            except BaseException as e:
+                log.error("terminate hook raised %s: %s", type(e).__name__, e)
+                exc.__context__ = e
+        raise exc
+
+    # -- entering and leaving the call -------------------------------------------
+
+    def _enter(self) -> int:
+        """Checks the environment, registers this call as the process's current one; returns its index."""
+        global _current, _call_counter
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                "inprocess.Wrapper: a torch.distributed process group already exists; "
+                "create process groups inside the wrapped function, so that a restart can rebuild them"
+            )
+        rank = store_mod._env_int("RANK")
+        world_size = store_mod._env_int("WORLD_SIZE")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world_size})")
+        with _current_lock:
+            if _current is not None:
+                raise RuntimeError("inprocess.Wrapper: a wrapped call is already running in this process")
+            _current = self
+            call_index = _call_counter
+            _call_counter += 1
+        self.state = State(initial_rank=rank, initial_world_size=world_size, rank=rank, world_size=world_size)
+        return call_index
+
+    def _exit(self) -> None:
+        global _current
+        self._rt = None
+        with _current_lock:
+            if _current is self:
+                _current = None
+
+    # -- called from the engine's threads ------------------------------------------
+
+    def _run_abort_hook(self) -> None:
+        """From the restart trigger thread, once the main thread was interrupted."""
+        self._runtime.shut_down_iteration_store()
+        if self._w.abort is not None:
+            self._w.abort(self.state.freeze())
+
+    def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
+        """From the trigger thread: count this rank out of the next barrier."""
+        s = self.state
+        e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
+        p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
+        self._arrive_terminated(p, iteration)
+
+    def _arrive_terminated(self, p: RestartProtocol, iteration: int) -> None:
+        """Count this rank out at the barrier after ``iteration``, so nobody waits for it."""
+        s = self.state
+        try:
+            p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None,
+                      _seconds(self._w.timeouts.barrier_timeout))
+        except SeatTaken:
+            log.info("rank %d was counted out by another process already", s.initial_rank)
+
+    def _on_soft_timeout(self, event: Any) -> None:
+        """Called on a native thread of the watchdog (which never waits for the
+        GIL). It hands off at once to a Python thread: anything that asks
+        `threading` who is running here (logging does) would register this
+        native thread as a _DummyThread that is never removed."""
+        threading.Thread(
+            target=self._report_soft_timeout, args=(event,), name="inprocess-soft-timeout", daemon=True
+        ).start()
+
+    def _report_soft_timeout(self, event: Any) -> None:
+        """No progress for soft_timeout restarts the whole job."""
+        s = self.state
+        rt = self._rt
+        if rt is None or event.iteration != s.iteration or s.mode != Mode.ACTIVE:
+            return
+        if rt.interrupter.fired:
+            # A restart is already under way and this rank has not come back from
+            # it: the abort's release path (then exit code 75) owns the case.
+            return
+        since = (event.detected_ns - event.last_progress_ns) / 1e9
+        clock = "manual (ping)" if event.manual else "automatic"
+        e = TimeoutError(f"no {clock} progress for {since:.1f}s (soft_timeout="
+                         f"{_seconds(self._w.timeouts.soft_timeout):g}s)")
+        log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
+        try:
+            rt.protocol.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e))
+        except Exception as err:  # the store is gone: the hard timeout is the next line of defence
+            log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
+
+    @contextlib.contextmanager
+    def _hang_protection(self) -> Iterator[None]:
+        """Soft and hard timeouts apply while the function runs, and only then:
+        the engine's own waits (barriers, completion) have timeouts of their own."""
+        hb = self._runtime.heartbeat
+        hb.begin_iteration(self.state.iteration, self.state.world_size)
+        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
+        try:
+            yield
+        finally:
+            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+
+    def _set_phase(self, phase: Any) -> None:
+        if self._rt is not None:
+            self._rt.heartbeat.set_phase(phase)
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Release the frames an exception holds (and with them the failed
+    iteration's models and process groups), keeping type and message."""
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__

@@ -1,0 +1,338 @@
+"""The resources one rank holds for one wrapped call, opened in order and
+closed in reverse through one :class:`contextlib.ExitStack`.
+
+:class:`inprocess.CallWrapper` runs the restart state machine; this module
+owns what the machine runs on: the heartbeat page, the store connections (and
+the store host this rank may have started), the node agent link, the restart
+protocol and trigger, the main-thread interrupter, the watchdog, the monitor
+process, the per-iteration store client of the function's own rendezvous, and
+the process environment the call changes (RANK, WORLD_SIZE, sys.excepthook).
+
+Opening order (each step's undo is pushed on the stack as it succeeds, so a
+failure half-way closes exactly what was opened)::
+
+    heartbeat page ► interrupter ► store (+ store host) ► process-group tracker
+    ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
+
+Closing runs the other way round: the monitor is stopped first (it marks
+itself gone, so that its peers do not count this rank out), the heartbeat page
+is unmapped last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch.distributed as dist
+
+from .. import _native
+from .. import store as store_mod
+from ..control.node_link import NodeLayout, NodeLink, socket_name
+from ..control.protocol import RestartProtocol
+from ..processes import store_host
+from ..processes.node_agent import spawn_node_agent
+from ..state import State
+from . import pg_tracker, sockets
+from .interrupt import MainThreadInterrupter
+from .trigger import RestartTrigger
+
+if TYPE_CHECKING:
+    from ..wrap import Wrapper
+
+log = logging.getLogger("inprocess")
+
+
+def _seconds(td: Any) -> float:
+    return float(td.total_seconds())
+
+
+class RankRuntime:
+    """Everything one rank opened for one call; :meth:`close` releases it all.
+
+    Built by :meth:`open`; every field is set once it returns. ``monitor`` is
+    None only where the store is not a TCPStore (the monitor speaks its wire
+    protocol), ``node_link`` only where no node agent is used.
+    """
+
+    heartbeat: _native.HeartbeatPage
+    interrupter: MainThreadInterrupter
+    store: dist.Store
+    node_link: Optional[NodeLink]
+    protocol: RestartProtocol
+    trigger: RestartTrigger
+    watchdog: _native.Watchdog
+    monitor: Optional[subprocess.Popen[bytes]]
+
+    def __init__(self, wrapper: Wrapper, state: State, call_index: int):
+        self._w = wrapper
+        self._state = state
+        self.call_index = call_index
+        self._stack = contextlib.ExitStack()
+        # The function's own rendezvous: a fresh client per iteration (open_iteration_store).
+        self._user_client: Optional[dist.Store] = None
+        self._user_sockets: dict[int, str] = {}
+        self._node_agent: Optional[subprocess.Popen[bytes]] = None
+
+    @classmethod
+    def open(
+        cls,
+        wrapper: Wrapper,
+        state: State,
+        call_index: int,
+        *,
+        on_soft_timeout: Callable[[Any], None],
+        run_abort: Callable[[], None],
+        leave_unreleasable: Callable[[RestartProtocol, int], None],
+    ) -> RankRuntime:
+        """Open the rank's resources in order; on any failure, close what was opened and re-raise."""
+        rt = cls(wrapper, state, call_index)
+        with rt._stack:
+            rt._open(on_soft_timeout, run_abort, leave_unreleasable)
+            rt._stack = rt._stack.pop_all()  # success: the stack now outlives the with block
+        return rt
+
+    def close(self) -> None:
+        self._stack.close()
+
+    # -- opening, in order ------------------------------------------------------
+
+    def _open(
+        self,
+        on_soft_timeout: Callable[[Any], None],
+        run_abort: Callable[[], None],
+        leave_unreleasable: Callable[[RestartProtocol, int], None],
+    ) -> None:
+        t = self._w.timeouts
+        stack = self._stack
+        self._keep_environment()
+
+        self.heartbeat = _native.HeartbeatPage.create()
+        stack.callback(self.heartbeat.close)
+        self.heartbeat.set_timeouts(int(_seconds(t.soft_timeout) * 1e9), int(_seconds(t.hard_timeout) * 1e9))
+        self.heartbeat.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+
+        self.interrupter = MainThreadInterrupter()
+        self.interrupter.install()
+        stack.callback(self.interrupter.uninstall)
+
+        self.store = self._open_store()
+        stack.callback(self._wait_for_the_other_ranks)
+
+        # init_process_group wraps sys.excepthook every time ("[rankN]:" prefixes):
+        # restored at every restart (release_iteration) and at the end.
+        saved_excepthook = sys.excepthook
+        pg_tracker.install()
+        stack.callback(self._release_process_groups, saved_excepthook)
+        self.saved_excepthook = saved_excepthook
+
+        self.node_link = self._open_node_link()
+        stack.callback(self._close_node_link)
+
+        self.protocol = RestartProtocol(self.store, self.call_index, self.node_link)
+        trigger_protocol = RestartProtocol(
+            store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link
+        )
+        self.trigger = RestartTrigger(
+            trigger_protocol,
+            self.interrupter,
+            run_abort,
+            release_timeout=_seconds(t.barrier_timeout),
+            leave=lambda iteration: leave_unreleasable(trigger_protocol, iteration),
+        )
+        stack.callback(self.trigger.stop)
+
+        self.watchdog = _native.Watchdog(
+            self.heartbeat.fd, int(_seconds(t.progress_watchdog_interval) * 1e9), on_soft_timeout
+        )
+        self.watchdog.start()
+        stack.callback(self.watchdog.stop, 1_000_000_000)
+
+        self.monitor = self._spawn_monitor()
+        stack.callback(self._stop_monitor)
+
+    def _keep_environment(self) -> None:
+        """RANK and WORLD_SIZE follow the active rank while the call runs; restored at the end."""
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+
+        def restore() -> None:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        self._stack.callback(restore)
+
+    def _open_store(self) -> dist.Store:
+        store_kwargs = dict(self._w.store_kwargs)
+        if self._w.store_factory is store_mod.TCPStore:
+            # An orphaned store host waits one heartbeat_timeout of silence before it decides the job is gone.
+            store_kwargs.setdefault("host_idle_timeout_s", _seconds(self._w.timeouts.heartbeat_timeout))
+        store = self._w.store_factory(**store_kwargs)
+        if store_mod.host_process(store) is not None:
+            # The store host exits when this call is done: tell it which call that is.
+            store.set(store_host.CALL_KEY, str(self.call_index))
+        return store
+
+    def _open_node_link(self) -> Optional[NodeLink]:
+        """This node's agent (local rank 0 starts it), or None: the store directly."""
+        layout = NodeLayout.from_env()
+        store = self.store
+        wanted = self._w.node_agent
+        if wanted is None:
+            wanted = (
+                layout is not None and 1 < layout.local_world_size < self._state.initial_world_size
+                and isinstance(store, dist.TCPStore)
+            )
+        if not wanted:
+            return None
+        if layout is None:
+            raise ValueError("Wrapper(node_agent=True): no node layout: set LOCAL_RANK, LOCAL_WORLD_SIZE "
+                             "and GROUP_RANK (torchrun does), or launch with srun")
+        if not isinstance(store, dist.TCPStore):
+            raise ValueError(f"Wrapper(node_agent=True): the node agent speaks TCPStore only, the store is "
+                             f"{type(store).__name__}")
+        t = self._w.timeouts
+        connect_timeout = min(_seconds(t.barrier_timeout), 30.0)
+        if layout.local_rank == 0:
+            self._node_agent = spawn_node_agent(
+                store.host, store.port, self.call_index, layout,
+                store_timeout_s=_seconds(t.barrier_timeout), connect_timeout_s=connect_timeout,
+            )
+        name = socket_name(store.host, store.port, self.call_index, layout.node)
+        try:
+            return NodeLink.connect(name, layout.local_rank, connect_timeout)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            log.warning("rank %d: no node agent (%s): this rank talks to the store directly",
+                        self._state.initial_rank, e)
+            return None
+
+    def _spawn_monitor(self) -> Optional[subprocess.Popen[bytes]]:
+        """The per-rank monitor process: sees this rank's death through a pidfd,
+        enforces hard_timeout, and reports for the rank when it cannot."""
+        store = self.store
+        if not isinstance(store, dist.TCPStore):
+            log.info("no monitor process: it speaks TCPStore only (store is %s)", type(store).__name__)
+            return None
+        from ..processes.monitor import spawn_monitor
+
+        t = self._w.timeouts
+        return spawn_monitor(
+            self.heartbeat, store.host, store.port, self.call_index, self._state.initial_rank,
+            _seconds(t.termination_grace_time),
+            world_size=self._state.initial_world_size,
+            barrier_timeout_s=_seconds(t.barrier_timeout),
+            store_timeout_s=_seconds(t.barrier_timeout),
+            heartbeat_interval_s=_seconds(t.heartbeat_interval),
+            heartbeat_timeout_s=_seconds(t.heartbeat_timeout),
+            logfile=self._w.monitor_process_logfile,
+            pidfile=self._w.monitor_process_pidfile,
+            # Without a log file the monitor shares the rank's stderr: warnings only.
+            log_level="INFO" if self._w.monitor_process_logfile else "WARNING",
+        )
+
+    # -- per iteration --------------------------------------------------------
+
+    def open_iteration_store(self) -> None:
+        """A fresh client connection per iteration for the function's own
+        rendezvous, so that a restart can release a rendezvous blocked on a
+        peer that failed, by shutting this connection down."""
+        self._user_client, self._user_sockets = store_mod.tracked_clone(
+            self.store, self._w.store_factory, self._w.store_kwargs
+        )
+
+    def iteration_store(self, iteration: int) -> dist.Store:
+        """The store the function's rendezvous uses in ``iteration`` (its keys are scoped to it)."""
+        if self._user_client is None:
+            raise RuntimeError("CallWrapper.store is available inside the wrapped function only")
+        return dist.PrefixStore(self.user_prefix(iteration), self._user_client)
+
+    def shut_down_iteration_store(self) -> None:
+        """From the trigger thread, at a restart: releases a rendezvous blocked on a failed peer."""
+        sockets.shutdown_connected(self._user_sockets)
+
+    def release_iteration(self) -> None:
+        """In the main thread, after the abort: the failed iteration's groups and client go.
+
+        Back in the main thread, the failed iteration's frames gone and its
+        collectives ended, destroying the groups here can race neither with DDP
+        nor deadlock on the gloo workers (see inprocess.engine.pg_tracker).
+        """
+        pg_tracker.release_groups()
+        sys.excepthook = self.saved_excepthook
+        self._user_client, self._user_sockets = None, {}
+
+    def user_prefix(self, iteration: int) -> str:
+        return f"{self.protocol.prefix}user/{iteration}/"
+
+    def delete_user_keys(self, iteration: int) -> None:
+        """Delete the keys the function's own rendezvous wrote in ``iteration``."""
+        client = self.store
+        list_keys = getattr(client, "list_keys", None)
+        if list_keys is None:
+            return
+        prefix = self.user_prefix(iteration)
+        try:
+            for key in list_keys():
+                if key.startswith(prefix):
+                    client.delete_key(key)
+        except Exception as e:
+            log.debug("could not delete keys of iteration %d: %s", iteration, e)
+
+    # -- closing (each pushed on the stack by _open) ---------------------------
+
+    def _stop_monitor(self) -> None:
+        monitor, self.monitor = self.monitor, None
+        if monitor is None or monitor.poll() is not None:
+            return
+        # Stopped on purpose: the monitor only marks its heartbeat gone (so
+        # that its peers do not count this rank out). SIGCONT first: a frozen
+        # monitor would not see the SIGTERM.
+        monitor.send_signal(signal.SIGCONT)
+        monitor.terminate()
+        try:
+            monitor.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            monitor.kill()
+            monitor.wait()
+
+    def _close_node_link(self) -> None:
+        link, self.node_link = self.node_link, None
+        if link is not None:
+            link.close()  # the agent exits once every rank of its node closed its link
+        agent, self._node_agent = self._node_agent, None
+        if agent is not None:
+            # Reaped if it has exited; the node's other ranks may still be inside the
+            # call, and then the agent outlives this rank (nothing waits for it here).
+            agent.poll()
+
+    def _release_process_groups(self, saved_excepthook: Any) -> None:
+        pg_tracker.release_groups()
+        sys.excepthook = saved_excepthook
+
+    def _wait_for_the_other_ranks(self) -> None:
+        """Whoever serves the store keeps serving until every rank left the call."""
+        from ..state import Mode
+
+        terminated = self._state.mode == Mode.TERMINATED
+        host = store_mod.host_process(self.store)
+        completion_timeout = _seconds(self._w.timeouts.completion_timeout)
+        if host is not None and not terminated:
+            # The store host exits once the last rank left; a terminated rank
+            # leaves at once (the host outlives it, that is its purpose).
+            if not host.wait_exit(completion_timeout):
+                log.warning("store host (pid %d): the other ranks did not all leave within "
+                            "completion_timeout; it stays until they do", host.pid)
+        if store_mod.is_host(self.store) and hasattr(self, "protocol"):
+            # The server lives in this process: keep it until every rank left.
+            # A terminated host waits for the rest of the job, however long.
+            try:
+                self.protocol.wait_done(None if terminated else completion_timeout)
+            except Exception as e:
+                log.warning("store host: the other ranks did not all leave: %s", e)
