@@ -1,11 +1,20 @@
 """Starts N ranks of a script on 127.0.0.1 and reaps them on every path.
 
-For the test suite, the demo and the benchmarks on one machine; real jobs are
-launched by torchrun or SLURM.
+``python -m inprocess.launch --nproc 4 train.py [args...]`` runs a job on this
+machine, for trying the library, its demo, its tests and benchmarks; real jobs
+are launched by torchrun or SLURM. Each rank gets RANK, WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, MASTER_PORT, and LOCAL_RANK, LOCAL_WORLD_SIZE and
+GROUP_RANK as torchrun numbers them (``--ranks-per-node`` fakes several
+nodes). Unlike torchrun, it leaves the other ranks running when one exits or
+dies: that is the case the in-process restart handles. It waits for every
+rank, kills them all (their process groups: monitors included) on Ctrl-C,
+SIGTERM or ``--timeout``, and exits with 0 when every rank did, else with the
+first non-zero status in rank order (128 + the signal for a killed rank).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import signal
@@ -25,7 +34,7 @@ def free_port() -> int:
 @dataclasses.dataclass
 class RankProcess:
     rank: int
-    popen: subprocess.Popen  # type: ignore[type-arg]
+    popen: subprocess.Popen[str]
     returncode: Optional[int] = None
     output: str = ""
 
@@ -65,7 +74,7 @@ class LocalJob:
                     RANK=str(rank),
                     WORLD_SIZE=str(self.world_size),
                     LOCAL_RANK=str(rank % self.ranks_per_node),
-                    LOCAL_WORLD_SIZE=str(min(self.ranks_per_node, self.world_size - rank // self.ranks_per_node * self.ranks_per_node)),
+                    LOCAL_WORLD_SIZE=str(self._local_world_size(rank)),
                     GROUP_RANK=str(rank // self.ranks_per_node),
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(self.port),
@@ -86,12 +95,17 @@ class LocalJob:
             raise
         return self
 
-    def wait(self, timeout: float) -> list[RankProcess]:
-        """Wait for every rank; on timeout kill them all and raise TimeoutError."""
-        deadline = time.monotonic() + timeout
+    def _local_world_size(self, rank: int) -> int:
+        """Ranks on this rank's node: the last node may hold fewer."""
+        first_on_node = rank // self.ranks_per_node * self.ranks_per_node
+        return min(self.ranks_per_node, self.world_size - first_on_node)
+
+    def wait(self, timeout: Optional[float]) -> list[RankProcess]:
+        """Wait for every rank (``timeout`` None: however long); on timeout kill them all and raise TimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for rp in self.ranks:
-                remaining = max(0.0, deadline - time.monotonic())
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 out, _ = rp.popen.communicate(timeout=remaining)
                 rp.output = out or ""
                 rp.returncode = rp.popen.returncode
@@ -125,3 +139,61 @@ class LocalJob:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _exit_status(returncode: Optional[int]) -> int:
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m inprocess.launch",
+        description="Run N ranks of a Python script on 127.0.0.1 (for trying inprocess on one machine).",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks (WORLD_SIZE)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="consecutive ranks per fake node (LOCAL_WORLD_SIZE); default: one node")
+    parser.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free port)")
+    parser.add_argument("--timeout", type=float, default=None, help="kill every rank after this many seconds")
+    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = parser.parse_args(argv)
+    if ns.nproc < 1:
+        parser.error(f"--nproc={ns.nproc}: expected a number of ranks >= 1")
+    if ns.port is not None and not 0 < ns.port < 65536:
+        parser.error(f"--port={ns.port}: expected a TCP port in 1..65535")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout={ns.timeout}: expected a number of seconds > 0")
+    if not os.path.isfile(ns.script):
+        parser.error(f"script {ns.script!r}: no such file")
+    try:
+        job = LocalJob([ns.script, *ns.args], ns.nproc, port=ns.port, capture=False,
+                       ranks_per_node=ns.ranks_per_node)
+    except ValueError as e:
+        parser.error(str(e))
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    with job:
+        try:
+            ranks = job.wait(ns.timeout)
+        except TimeoutError:
+            print(f"inprocess.launch: the job did not finish within {ns.timeout:g}s; every rank was killed",
+                  file=sys.stderr)
+            return 124
+        except KeyboardInterrupt:
+            print("inprocess.launch: interrupted; every rank was killed", file=sys.stderr)
+            return 130
+    statuses = [_exit_status(rp.returncode) for rp in ranks]
+    for rp, status in zip(ranks, statuses, strict=True):
+        if status:
+            print(f"inprocess.launch: rank {rp.rank} exited with status {status}", file=sys.stderr)
+    return next((s for s in statuses if s), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
