@@ -1,7 +1,8 @@
 """The documented rule for an exception in each hook, checked hook by hook on a real job.
 
 * initialize: an Exception is a fault of the rank -> the job restarts, every rank continues;
-* abort, finalize, health_check: any exception terminates that rank -> the others go on without it;
+* abort, finalize, health_check: any exception terminates that rank -> the others go on without it
+  (health_check's as HealthCheckError; it also runs before every iteration, where it is a fault);
 * rank_assignment (runs once, on the leader): the job ends on every rank with RestartAbort;
 * completion: the exception propagates to that rank's caller, the others return normally;
 * terminate: the rank still leaves with the exception that terminated it.
@@ -51,7 +52,9 @@ def test_recovery_hook_exception_terminates_the_rank(job, hook):
     res = job(plan_with_hook(hook))
     log = res.rank(1)
     assert res.returncodes[1] == 17
-    assert log["exception"] == "RuntimeError" and f"injected {hook} failure" in log["message"]
+    # As in nvidia_resiliency_ext, a failed health check comes out as HealthCheckError (chained to the cause).
+    expected = "HealthCheckError" if hook == "health_check" else "RuntimeError"
+    assert log["exception"] == expected and f"injected {hook} failure" in log["message"]
     finished(res, [0, 2, 3], iteration=1, world_size=3)
     assert res.rank(0)["restarts"][0]["terminated"] == [1]
 

@@ -37,7 +37,14 @@ from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
-from .exception import InternalError, RankDiscarded, RankShouldRestart, RestartAbort, TimeoutError
+from .exception import (
+    HealthCheckError,
+    InternalError,
+    RankDiscarded,
+    RankShouldRestart,
+    RestartAbort,
+    TimeoutError,
+)
 from .rank_assignment import Topology, key_gathering_leaves
 from .state import FrozenState, Mode, State
 
@@ -257,6 +264,7 @@ class CallWrapper:
             with rt.interrupter.running(), self._hang_protection():
                 if self._w.initialize is not None:
                     self._w.initialize(s.freeze())
+                self._check_health_before_iteration()
                 if self.restarts:
                     self.restarts[-1].initialized_ns = time.monotonic_ns()
                 value = fn(*args, **kwargs)
@@ -304,6 +312,11 @@ class CallWrapper:
         _drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
+        try:
+            self._check_health_before_iteration()
+        except Exception as e:
+            # An unfit spare is a fault like any other: the restart's health check decides.
+            self._fault_in_function(e)
         # A spare blocks on the trigger's event: no CPU burnt while it waits.
         outcome.done.wait()
         self._check_outcome(outcome)
@@ -331,7 +344,10 @@ class CallWrapper:
         self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
         record.finalized_ns = time.monotonic_ns()
         self._set_phase(_Phase.HEALTH_CHECK)
-        self._run_recovery_hook(self._w.health_check, Leave.HEALTH_CHECK_FAILED)
+        try:
+            self._check_health()
+        except BaseException as e:
+            raise _LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
 
         self._set_phase(_Phase.RESTART_BARRIER)
@@ -357,6 +373,23 @@ class CallWrapper:
                             Leave.COUNTED_OUT) from None
         assert decision is not None  # a healthy arrival always gets the decision
         return decision
+
+    def _check_health_before_iteration(self) -> None:
+        """``health_check`` also runs before every iteration, after ``initialize``, as in
+        nvidia_resiliency_ext: a failure there is a fault of this rank (the job restarts)."""
+        self._check_health()
+
+    def _check_health(self) -> None:
+        """The ``health_check`` hook; an ``Exception`` comes out as a
+        :class:`HealthCheckError` chained to it, a ``BaseException`` as itself."""
+        hook = self._w.health_check
+        if hook is None:
+            return
+        try:
+            hook(self.state.freeze())
+        except Exception as e:
+            raise HealthCheckError(f"health check failed on initial rank {self.state.initial_rank}: "
+                                   f"{type(e).__name__}: {e}") from e
 
     def _run_recovery_hook(self, hook: Optional[Callable[[FrozenState], Any]], failed: Leave) -> None:
         if hook is None:
@@ -450,9 +483,11 @@ class CallWrapper:
         """Checks the environment, registers this call as the process's current one; returns its index."""
         global _current, _call_counter
         if dist.is_available() and dist.is_initialized():
-            raise RuntimeError(
-                "inprocess.Wrapper: a torch.distributed process group already exists; "
-                "create process groups inside the wrapped function, so that a restart can rebuild them"
+            # The message names the condition as nvidia_resiliency_ext words it, which callers match on.
+            raise ValueError(
+                "inprocess.Wrapper: expected not torch.distributed.is_initialized(), but a process group "
+                "already exists; create process groups inside the wrapped function, so that a restart can "
+                "rebuild them"
             )
         rank = store_mod._env_int("RANK")
         world_size = store_mod._env_int("WORLD_SIZE")

@@ -52,13 +52,15 @@ class RetryController(Initialize):
         self.min_active_world_size = min_active_world_size
 
     def __call__(self, state: FrozenState) -> FrozenState:
+        # Every message starts with "iteration=<n>", as nvidia_resiliency_ext's does: callers match on it.
         if self.max_iterations is not None and state.iteration >= self.max_iterations:
-            raise RestartAbort(f"iteration {state.iteration} reached max_iterations={self.max_iterations}")
+            raise RestartAbort(f"iteration={state.iteration} reached max_iterations={self.max_iterations}")
         if state.world_size < self.min_world_size:
-            raise RestartAbort(f"world_size={state.world_size} fell below min_world_size={self.min_world_size}")
+            raise RestartAbort(f"iteration={state.iteration}: world_size={state.world_size} fell below "
+                               f"min_world_size={self.min_world_size}")
         if state.active_world_size < self.min_active_world_size:
             raise RestartAbort(
-                f"active_world_size={state.active_world_size} fell below "
+                f"iteration={state.iteration}: active_world_size={state.active_world_size} fell below "
                 f"min_active_world_size={self.min_active_world_size}"
             )
         return state

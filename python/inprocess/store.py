@@ -27,6 +27,23 @@ from .engine import sockets
 from .processes.store_host import StoreHostProcess, spawn_store_host
 
 
+class StoreMixin:
+    """Base of the stores a ``store_factory`` builds, as in nvidia_resiliency_ext.
+
+    A custom factory derives from it and from a torch.distributed store, e.g.
+    ``class MyStore(inprocess.store.StoreMixin, torch.distributed.TCPStore)``.
+    The engine needs only torch's Store methods (set, get, add, compare_set,
+    append, check, wait, delete_key; ``multi_get`` and the TCPStore's wire for
+    the monitor processes); it never calls a method of this mixin on the
+    store, so nothing here needs overriding.
+    """
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        """Initial ranks whose process serves this store: they leave the call last."""
+        return ()
+
+
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -37,7 +54,7 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
 
 
-class TCPStore(dist.TCPStore):
+class TCPStore(dist.TCPStore, StoreMixin):
     """torch's TCPStore, configured from the environment like torch.distributed.
 
     ``host_name``/``port``/``world_size`` default to MASTER_ADDR, MASTER_PORT
@@ -98,8 +115,13 @@ class TCPStore(dist.TCPStore):
                 self.host_process.stop()
             raise
 
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        # A store host process outlives the rank that started it: no rank is critical then.
+        return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
 
-class FileStore(dist.FileStore):
+
+class FileStore(dist.FileStore, StoreMixin):
     """torch's FileStore, for jobs on a single host (a path every rank can open)."""
 
     def __init__(self, file_name: Optional[str] = None, world_size: int = -1):
@@ -111,7 +133,7 @@ class FileStore(dist.FileStore):
         super().__init__(file_name, world_size)
 
 
-class PrefixStore(dist.PrefixStore):
+class PrefixStore(dist.PrefixStore, StoreMixin):
     """A view of ``store`` whose keys are scoped to one iteration."""
 
     def __init__(self, iteration: int, store: dist.Store):
@@ -123,11 +145,13 @@ class PrefixStore(dist.PrefixStore):
 def clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> dist.Store:
     """A second client connection to the same store."""
     if isinstance(store, dist.TCPStore):
-        return store.clone()
+        cloned: dist.Store = store.clone()  # type: ignore[attr-defined]  # torch's stubs lack clone()
+        return cloned
     if isinstance(store, dist.FileStore):
-        return dist.FileStore(store.path if hasattr(store, "path") else store.file_name, -1)  # type: ignore[attr-defined]
+        return dist.FileStore(getattr(store, "path", None) or store.file_name, -1)  # type: ignore[attr-defined]
     # A custom store without clone(): ask the factory for another client.
-    return store_factory(**store_kwargs)
+    client: dist.Store = store_factory(**store_kwargs)
+    return client
 
 
 def tracked_clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> tuple[dist.Store, dict[int, str]]:

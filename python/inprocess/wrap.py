@@ -47,6 +47,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT_RANK_ASSIGNMENT = Compose(ActivateAllRanks(), ShiftRanks())
 
 
+_MAX_DEFAULT_HEARTBEAT_INTERVAL = datetime.timedelta(seconds=30)
+
+
+def _heartbeat_interval(interval: Optional[datetime.timedelta], timeout: Any) -> Optional[datetime.timedelta]:
+    """The monitors' heartbeat interval: as given, else half of ``heartbeat_timeout``
+    up to 30 s (a timeout chosen alone, as nvidia_resiliency_ext allows, stays valid)."""
+    if interval is not None:
+        return interval  # validated with the other timeouts
+    if not isinstance(timeout, datetime.timedelta):
+        return _MAX_DEFAULT_HEARTBEAT_INTERVAL  # the validation names heartbeat_timeout itself
+    return min(_MAX_DEFAULT_HEARTBEAT_INTERVAL, timeout / 2)
+
+
 class Wrapper:
     """Decorator that restarts the wrapped function in-process after a fault on any rank.
 
@@ -67,6 +80,8 @@ class Wrapper:
       peers (heartbeat_timeout: a lost monitor or node gets its rank counted
       out). ``monitor_process_interval`` is accepted for compatibility: the
       monitor waits on a pidfd and on the page's deadlines, not on an interval.
+      ``heartbeat_interval`` defaults to half of ``heartbeat_timeout``, at
+      most 30 s (one store write per monitor and interval).
     - ``monitor_thread_interval``, ``last_call_wait``: accepted for
       compatibility. Faults reach every rank through a blocking wait on the
       store, and concurrent faults are gathered by the barrier itself, so the
@@ -76,6 +91,8 @@ class Wrapper:
     - ``completion_timeout``: longest wait, after the function returned, for
       every other active rank to return too.
     - ``enabled=False`` returns the function untouched.
+    - ``rank_filter`` (deprecated in nvidia_resiliency_ext): refused with a
+      ValueError that says what replaced it (filters in ``rank_assignment``).
     - ``node_agent`` (not in nvidia_resiliency_ext): one process per node
       carries the restart's store traffic for the node's ranks
       (:mod:`inprocess.processes.node_agent`), so the store serves nodes, not ranks.
@@ -97,7 +114,7 @@ class Wrapper:
         monitor_thread_interval: datetime.timedelta = datetime.timedelta(seconds=1),
         monitor_process_interval: datetime.timedelta = datetime.timedelta(seconds=1),
         progress_watchdog_interval: datetime.timedelta = datetime.timedelta(seconds=1),
-        heartbeat_interval: datetime.timedelta = datetime.timedelta(seconds=30),
+        heartbeat_interval: Optional[datetime.timedelta] = None,
         soft_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         hard_timeout: datetime.timedelta = datetime.timedelta(seconds=90),
         heartbeat_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
@@ -111,7 +128,14 @@ class Wrapper:
         terminate: Optional[Callable[[FrozenState], Any]] = None,
         enabled: bool = True,
         node_agent: Optional[bool] = None,
+        rank_filter: None = None,
     ):
+        if rank_filter is not None:
+            raise ValueError(
+                f"rank_filter={rank_filter!r}: not supported (nvidia_resiliency_ext deprecated it in favour of "
+                "rank_assignment); filter ranks in rank_assignment instead, e.g. Compose(MaxActiveWorldSize(n), ActivateAllRanks(), "
+                "ShiftRanks()), ActiveWorldSizeDivisibleBy(k), or Tree(layers, world_size_filter=...)"
+            )
         self.enabled = check_bool("enabled", enabled)
         if node_agent is not None:
             check_bool("node_agent", node_agent)
@@ -139,7 +163,7 @@ class Wrapper:
             monitor_thread_interval=monitor_thread_interval,
             monitor_process_interval=monitor_process_interval,
             progress_watchdog_interval=progress_watchdog_interval,
-            heartbeat_interval=heartbeat_interval,
+            heartbeat_interval=_heartbeat_interval(heartbeat_interval, heartbeat_timeout),
             soft_timeout=soft_timeout,
             hard_timeout=hard_timeout,
             heartbeat_timeout=heartbeat_timeout,
