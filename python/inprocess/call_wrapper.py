@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import enum
 import logging
 import os
 import threading
@@ -35,8 +34,10 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine.leave import Leave, LeaveJob
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
+from .events import call_start_fields
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -101,34 +102,6 @@ class RestartRecord:
         start = self.fault_ns or self.detected_ns
         end = self.initialized_ns or self.decided_ns
         return max(0, end - start) / 1e9
-
-
-class Leave(enum.Enum):
-    """Why a rank leaves the job. The value is the fault kind the store records."""
-
-    TERMINATED = "terminated"  # a BaseException that is not the engine's own
-    COMPLETION_TIMEOUT = "completion_timeout"  # the other active ranks did not return
-    STORE_LOST = "store"  # the restart trigger stopped without an outcome
-    ABORT_FAILED = "abort"  # the abort hook raised or did not finish
-    FINALIZE_FAILED = "finalize"
-    HEALTH_CHECK_FAILED = "health_check"
-    COUNTED_OUT = "counted_out"  # a monitor declared this rank lost and counted it out
-    DISCARDED = "discarded"  # the rank assignment terminated it
-    JOB_ABORTED = "abort_job"  # the decision ended the job on every rank
-
-    @property
-    def counted_already(self) -> bool:
-        """The store knows already: the rank records no fault and does not count itself out."""
-        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ABORTED)
-
-
-class _LeaveJob(Exception):
-    """Internal: unwinds the state machine to TERMINATED with the exception this rank leaves with."""
-
-    def __init__(self, exc: BaseException, reason: Leave):
-        super().__init__(reason.value)
-        self.exc = exc
-        self.reason = reason
 
 
 class CallWrapper:
@@ -227,6 +200,7 @@ class CallWrapper:
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = self._runtime
+        self._emit("call_start", **call_start_fields(self.state.initial_world_size))
         try:
             self._set_phase(_Phase.INITIAL_BARRIER)
             self._join()
@@ -235,6 +209,7 @@ class CallWrapper:
                 rt.interrupter.reset()
                 outcome = rt.trigger.arm(i, active=self.state.mode == Mode.ACTIVE)
                 log.debug("iteration %d: rank %d runs as %s", i, self.state.initial_rank, self.state.mode.name)
+                self._emit_iteration_start()
                 if self.state.mode == Mode.ACTIVE:
                     completed, value = self._run_active(fn, args, kwargs, outcome)
                 else:
@@ -242,7 +217,7 @@ class CallWrapper:
                 if completed:
                     return self._complete(value)
                 self._restart(outcome)
-        except _LeaveJob as leaving:
+        except LeaveJob as leaving:
             self._leave_job(leaving)
 
     def _join(self) -> None:
@@ -250,7 +225,9 @@ class CallWrapper:
         if self._key_owners:
             keys = [list(owner.local_keys(s.initial_rank, s.initial_world_size)) for owner in self._key_owners]
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
-        self._apply(self._barrier(0, s.initial_world_size))
+        decision = self._barrier(0, s.initial_world_size)
+        self._emit_decision(decision)
+        self._apply(decision)
 
     def _run_active(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], outcome: IterationOutcome
@@ -280,7 +257,7 @@ class CallWrapper:
         timeout = _seconds(self._w.timeouts.completion_timeout)
         if not outcome.done.wait(timeout):
             late = TimeoutError(f"the other ranks did not complete iteration {s.iteration} within {timeout:g}s")
-            raise _LeaveJob(late, Leave.COMPLETION_TIMEOUT)
+            raise LeaveJob(late, Leave.COMPLETION_TIMEOUT)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, value
 
@@ -295,7 +272,7 @@ class CallWrapper:
             _drop_frames(e)
             return
         if not isinstance(e, Exception):
-            raise _LeaveJob(e, Leave.TERMINATED) from None
+            raise LeaveJob(e, Leave.TERMINATED) from None
         # Publish before the frames are dropped: dropping them may destroy
         # this rank's process group, and a peer that sees its connection
         # close must find the restart already requested.
@@ -306,6 +283,7 @@ class CallWrapper:
         # fault counts as this rank's (fn_exception, FaultCounter).
         kind = "exception" if first_hand else "after_restart"
         p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e))
+        self._emit("fault", iteration=s.iteration, fault=kind, type=type(e).__name__, message=str(e)[:300])
         if first_hand:
             s.fn_exception = e
         log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
@@ -325,7 +303,7 @@ class CallWrapper:
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
             e = outcome.abort_error or InternalError("restart trigger stopped without an outcome")
-            raise _LeaveJob(e, Leave.STORE_LOST)
+            raise LeaveJob(e, Leave.STORE_LOST)
 
     def _restart(self, outcome: IterationOutcome) -> None:
         s = self.state
@@ -333,12 +311,14 @@ class CallWrapper:
         fault_iteration = s.iteration
         self._set_phase(_Phase.ABORTING)
         if not outcome.done.wait(barrier_timeout):
-            raise _LeaveJob(TimeoutError(f"abort did not finish within {barrier_timeout:g}s"), Leave.ABORT_FAILED)
+            raise LeaveJob(TimeoutError(f"abort did not finish within {barrier_timeout:g}s"), Leave.ABORT_FAILED)
         self._check_outcome(outcome)
         if outcome.abort_error is not None:
-            raise _LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
+            raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
                                aborted_ns=outcome.aborted_ns)
+        self._emit("restart_detected", iteration=fault_iteration, t_ns=outcome.detected_ns)
+        self._emit("abort_done", iteration=fault_iteration, t_ns=outcome.aborted_ns)
         self._runtime.release_iteration()
         self._set_phase(_Phase.FINALIZING)
         self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
@@ -347,7 +327,7 @@ class CallWrapper:
         try:
             self._check_health()
         except BaseException as e:
-            raise _LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
+            raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
 
         self._set_phase(_Phase.RESTART_BARRIER)
@@ -358,7 +338,20 @@ class CallWrapper:
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
         self.restarts.append(record)
+        self._emit_decision(decision)
         self._apply(decision)
+
+    def _emit_iteration_start(self) -> None:
+        s = self.state
+        self._emit("iteration_start", iteration=s.iteration, mode=s.mode.name, job_rank=s.rank,
+                   active_rank=s.active_rank, world_size=s.world_size, active_world_size=s.active_world_size)
+
+    def _emit_decision(self, decision: Decision) -> None:
+        m = decision.membership
+        faults = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message} for f in decision.faults[:8]]
+        self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
+                   active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
+                   n_faults=decision.n_faults, faults=faults)
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -369,7 +362,7 @@ class CallWrapper:
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
             # stopped heartbeating) and counted it out: it must not count itself in.
-            raise _LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
+            raise LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
                             Leave.COUNTED_OUT) from None
         assert decision is not None  # a healthy arrival always gets the decision
         return decision
@@ -397,7 +390,7 @@ class CallWrapper:
         try:
             hook(self.state.freeze())
         except BaseException as e:
-            raise _LeaveJob(e, failed) from None
+            raise LeaveJob(e, failed) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         iteration = 0 if self._membership is None else self.state.iteration + 1
@@ -423,10 +416,10 @@ class CallWrapper:
         s.iteration = decision.iteration
         if decision.abort is not None:
             self._runtime.protocol.leave(decision.iteration, m.world_size)
-            raise _LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
+            raise LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
         mode = Mode(m.mode[r])
         if mode == Mode.TERMINATED:
-            raise _LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
+            raise LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
                             Leave.DISCARDED)
         s.mode = mode
         s.rank = m.rank[r]
@@ -447,12 +440,13 @@ class CallWrapper:
     def _complete(self, value: Any) -> Any:
         s = self.state
         self._set_phase(_Phase.DONE)
+        self._emit("exit", outcome="completed", reason=None, iteration=s.iteration)
         self._runtime.protocol.leave(s.iteration, s.world_size)
         if self._w.completion is not None:
             self._w.completion(s.freeze())
         return value if s.mode == Mode.ACTIVE else None
 
-    def _leave_job(self, leaving: _LeaveJob) -> NoReturn:
+    def _leave_job(self, leaving: LeaveJob) -> NoReturn:
         """TERMINATED: tell the others, arrive for this rank at the barrier, re-raise."""
         s = self.state
         p = self._runtime.protocol
@@ -463,6 +457,8 @@ class CallWrapper:
         s.mode = Mode.TERMINATED
         log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, leaving.reason.value,
                     type(exc).__name__, exc)
+        self._emit("exit", outcome="terminated", reason=leaving.reason.value, iteration=s.iteration,
+                   type=type(exc).__name__, message=str(exc)[:300])
         if not leaving.reason.counted_already and self._membership is not None:
             try:
                 p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
@@ -561,6 +557,8 @@ class CallWrapper:
         log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
         try:
             rt.protocol.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e))
+            self._emit("fault", iteration=s.iteration, fault="soft_timeout", type=type(e).__name__,
+                       message=str(e))
         except Exception as err:  # the store is gone: the hard timeout is the next line of defence
             log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
 
@@ -579,6 +577,12 @@ class CallWrapper:
     def _set_phase(self, phase: Any) -> None:
         if self._rt is not None:
             self._rt.heartbeat.set_phase(phase)
+            self._emit("phase", phase=phase.name, iteration=self.state.iteration)
+
+    def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
+        events = self._rt.events if self._rt is not None else None
+        if events is not None:
+            events.emit(kind, t_ns, **fields)
 
 
 def _drop_frames(exc: BaseException) -> None:

@@ -11,8 +11,8 @@ the process environment the call changes (RANK, WORLD_SIZE, sys.excepthook).
 Opening order (each step's undo is pushed on the stack as it succeeds, so a
 failure half-way closes exactly what was opened)::
 
-    heartbeat page ► interrupter ► store (+ store host) ► process-group tracker
-    ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
+    event log ► heartbeat page ► interrupter ► store (+ store host) ► process-group
+    tracker ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
 
 Closing runs the other way round: the monitor is stopped first (it marks
 itself gone, so that its peers do not count this rank out), the heartbeat page
@@ -35,6 +35,7 @@ from .. import _native
 from .. import store as store_mod
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol
+from ..events import EventLog
 from ..processes import store_host
 from ..processes.node_agent import spawn_node_agent
 from ..state import State
@@ -68,6 +69,7 @@ class RankRuntime:
     trigger: RestartTrigger
     watchdog: _native.Watchdog
     monitor: Optional[subprocess.Popen[bytes]]
+    events: Optional[EventLog]  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
 
     def __init__(self, wrapper: Wrapper, state: State, call_index: int):
         self._w = wrapper
@@ -111,6 +113,10 @@ class RankRuntime:
         t = self._w.timeouts
         stack = self._stack
         self._keep_environment()
+
+        self.events = EventLog.open(self._w.events_dir, self._state.initial_rank, self.call_index)
+        if self.events is not None:
+            stack.callback(self.events.close)
 
         self.heartbeat = _native.HeartbeatPage.create()
         stack.callback(self.heartbeat.close)
