@@ -18,7 +18,6 @@ rule for exceptions in hooks is in :mod:`inprocess.wrap`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import os
@@ -35,6 +34,7 @@ from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine.leave import Leave, LeaveJob
+from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
@@ -73,35 +73,6 @@ def current_call() -> Optional["CallWrapper"]:
 
 def _seconds(td: datetime.timedelta) -> float:
     return td.total_seconds()
-
-
-@dataclasses.dataclass
-class RestartRecord:
-    """One restart as this rank saw it (timestamps: CLOCK_MONOTONIC ns of this host).
-
-    ``CallWrapper.restarts`` lists them, oldest first, for the function to read
-    (the demo prints them).
-    """
-
-    iteration: int  # the iteration that failed
-    faults: list[FaultRecord]
-    n_faults: int
-    terminated: list[int]
-    fault_ns: int = 0  # earliest fault recorded on this host, else 0
-    detected_ns: int = 0
-    aborted_ns: int = 0
-    finalized_ns: int = 0
-    health_checked_ns: int = 0
-    decided_ns: int = 0
-    initialized_ns: int = 0
-    assignment_ns: int = 0  # duration of the rank assignment on the leader
-
-    @property
-    def duration_s(self) -> float:
-        """Fault (or detection, for faults on other hosts) to resumption, in seconds."""
-        start = self.fault_ns or self.detected_ns
-        end = self.initialized_ns or self.decided_ns
-        return max(0, end - start) / 1e9
 
 
 class CallWrapper:
@@ -337,9 +308,23 @@ class CallWrapper:
         record.assignment_ns = decision.assignment_ns
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
+        previous = self._membership
+        if previous is not None:
+            record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
+                                                                       strict=True))
+                                if was == Mode.INACTIVE and now == Mode.ACTIVE]
         self.restarts.append(record)
         self._emit_decision(decision)
         self._apply(decision)
+        self._log_restart(record)
+
+    def _log_restart(self, record: RestartRecord) -> None:
+        """One INFO line on every rank; the summary, as a WARNING, on the lowest active rank."""
+        s = self.state
+        log.info("rank %d: restarted after iteration %d in %.0f ms (%s)", s.initial_rank, record.iteration,
+                 record.duration_s * 1e3, ", ".join(f"{k} {v:.0f} ms" for k, v in record.phases_ms().items()))
+        if s.active_rank == 0:
+            log.warning("%s", record.summary(s.active_world_size, s.world_size))
 
     def _emit_iteration_start(self) -> None:
         s = self.state
