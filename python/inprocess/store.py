@@ -95,7 +95,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
-                                     parent_pid=os.getpid(), libuv=use_libuv)
+                                     parent_pid=os.getpid(), libuv=bool(use_libuv))
             self.host_process = HelperProcess.start(config, ready_timeout_s=timeout.total_seconds())
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         try:
