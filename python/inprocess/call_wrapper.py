@@ -458,6 +458,8 @@ class CallWrapper:
         p = self._runtime.protocol
         exc = leaving.exc
         _drop_frames(exc)
+        # Before the fault is reported: its restart is for the others, this rank must not abort itself.
+        self._runtime.trigger.stop(timeout=0)
         s.mode = Mode.TERMINATED
         log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, leaving.reason.value,
                     type(exc).__name__, exc)
