@@ -278,11 +278,11 @@ class CallWrapper:
 
     def _restart(self, outcome: IterationOutcome) -> None:
         s = self.state
-        barrier_timeout = _seconds(self._w.timeouts.barrier_timeout)
+        abort_wait = self._w.timeouts.abort_wait_s
         fault_iteration = s.iteration
         self._set_phase(_Phase.ABORTING)
-        if not outcome.done.wait(barrier_timeout):
-            raise LeaveJob(TimeoutError(f"abort did not finish within {barrier_timeout:g}s"), Leave.ABORT_FAILED)
+        if not outcome.done.wait(abort_wait):
+            raise LeaveJob(TimeoutError(f"abort did not finish within {abort_wait:g}s"), Leave.ABORT_FAILED)
         self._check_outcome(outcome)
         if outcome.abort_error is not None:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
@@ -342,7 +342,7 @@ class CallWrapper:
         s = self.state
         try:
             decision = self._runtime.protocol.barrier(
-                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
+                iteration, s.initial_rank, expected, False, self._decide, self._w.timeouts.barrier_wait_s
             )
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
@@ -503,7 +503,7 @@ class CallWrapper:
     def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
         """From the trigger thread: count this rank out of the next barrier."""
         s = self.state
-        e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
+        e = TimeoutError(f"main thread still blocked {self._w.timeouts.release_wait_s:g}s after the abort")
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
         self._arrive_terminated(p, iteration)
 
@@ -512,7 +512,7 @@ class CallWrapper:
         s = self.state
         try:
             p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None,
-                      _seconds(self._w.timeouts.barrier_timeout))
+                      self._w.timeouts.barrier_wait_s)
         except SeatTaken:
             log.info("rank %d was counted out by another process already", s.initial_rank)
 
