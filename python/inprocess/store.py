@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .engine import sockets
+from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig
+from .processes.forked import fork_helper
 
 
 class StoreMixin:
@@ -96,7 +98,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
                                      parent_pid=os.getpid(), libuv=bool(use_libuv))
-            self.host_process = HelperProcess.start(config, ready_timeout_s=timeout.total_seconds())
+            # Forked, not exec'd: the rank has imported torch already, a fresh interpreter
+            # would import it again before the first barrier (processes/forked.py).
+            self.host_process = fork_helper(config, store_host.serve, ready_timeout_s=timeout.total_seconds(),
+                                            name="inprocess-store")
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         try:
             super().__init__(

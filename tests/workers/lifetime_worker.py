@@ -52,8 +52,23 @@ try:
     outcome = repr(train())
 except BaseException as e:
     outcome = type(e).__name__
+
+
+def children() -> list[str]:
+    """Child processes, zombies included (an exited child nobody reaped is left over too)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            found.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())}")
+        except psutil.ZombieProcess:
+            found.append(f"{p.pid} zombie")
+        except psutil.NoSuchProcess:
+            pass  # gone and reaped meanwhile
+    return found
+
+
 deadline = time.monotonic() + 5
-while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+while children() and time.monotonic() < deadline:
     time.sleep(0.05)
 gc.collect()
 print(json.dumps({
@@ -62,5 +77,5 @@ print(json.dumps({
     "call_wrappers": sum(isinstance(o, inprocess.CallWrapper) for o in gc.get_objects()),
     "threads": sorted(t.name for t in threading.enumerate() if t.ident not in threads_before),
     "sockets": sorted(sockets.new_since(sockets_before).values()),
-    "children": [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)],
+    "children": children(),
 }))

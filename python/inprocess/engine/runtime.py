@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import _native
 from .. import store as store_mod
 from ..control.node_link import NodeLayout, NodeLink, socket_name
-from ..control.protocol import RestartProtocol
+from ..control.protocol import RestartProtocol, done_key
 from ..events import EventLog
 from ..processes import store_host
 from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig
@@ -309,6 +309,12 @@ class RankRuntime:
         pg_tracker.release_groups()
         sys.excepthook = saved_excepthook
 
+    def _call_is_done(self) -> bool:
+        try:
+            return bool(self.store.check([done_key(self.call_index)]))
+        except Exception:  # the server went away: so did the call
+            return True
+
     def _wait_for_the_other_ranks(self) -> None:
         """Whoever serves the store keeps serving until every rank left the call."""
         from ..state import Mode
@@ -316,6 +322,9 @@ class RankRuntime:
         terminated = self._state.mode == Mode.TERMINATED
         host = store_mod.host_process(self.store)
         completion_timeout = _seconds(self._w.timeouts.completion_timeout)
+        if host is not None and terminated and self._call_is_done():
+            # The job ended with this rank's leaving: the store host is exiting, reap it.
+            host.wait_exit(completion_timeout)
         if host is not None and not terminated:
             # The store host exits once the last rank left; a terminated rank
             # leaves at once (the host outlives it, that is its purpose).

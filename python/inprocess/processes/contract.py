@@ -359,7 +359,7 @@ def run_helper(config_type: type[Config], body: Callable[[Config, StopRequest], 
     """The ``main`` of a helper process: read and check its configuration (exit
     2 if bad), set up its log, route its stop signals to a :class:`StopRequest`,
     run ``body``, and leave with the status it returns (4 if it raised)."""
-    _leave(_run(config_type, body, sys.argv[1:] if argv is None else argv))
+    leave(_run(config_type, body, sys.argv[1:] if argv is None else argv))
 
 
 def _run(config_type: type[Config], body: Callable[[Config, StopRequest], int], argv: Sequence[str]) -> int:
@@ -373,10 +373,15 @@ def _run(config_type: type[Config], body: Callable[[Config, StopRequest], int], 
         print(f"{config_type.script}: error: {e.as_option()}", file=sys.stderr)
         _tell_ready_pipe(options.get("ready_fd"), e.as_option())
         return EXIT_USAGE
+    return serve_config(config, body)
+
+
+def serve_config(config: Config, body: Callable[[Config, StopRequest], int]) -> int:
+    """Run ``body`` with a checked config: the log set up, stop signals routed; its status (4 if it raised)."""
     try:
         _set_up_logging(config)
     except OSError as e:
-        print(f"{config_type.script}: error: --logfile={config.logfile}: cannot open it: {e}", file=sys.stderr)
+        print(f"{config.script}: error: --logfile={config.logfile}: cannot open it: {e}", file=sys.stderr)
         return EXIT_USAGE
     stop = StopRequest()
     _route_stop_signals(config, stop)
@@ -417,7 +422,7 @@ def _route_stop_signals(config: HelperConfig, stop: StopRequest) -> None:
     threading.Thread(target=wait_for_one, name=f"{config.script}-signals", daemon=True).start()
 
 
-def _leave(code: int) -> NoReturn:
+def leave(code: int) -> NoReturn:
     """Flush, then ``os._exit``: no interpreter finalisation. A helper may still
     have a thread blocked in native code when it is done (the monitor's guard in
     ``wait_event``, the node agent's broadcast on the store, torch's server
@@ -463,10 +468,23 @@ def _tell_ready_pipe(fd: Any, line: str) -> None:
 # -- the rank side: one handle --------------------------------------------------------
 
 
+class ChildProcess(typing.Protocol):
+    """The part of ``subprocess.Popen`` a handle uses (a forked child has it too)."""
+
+    pid: int
+    returncode: Optional[int]
+
+    def poll(self) -> Optional[int]: ...
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
 class HelperProcess:
     """The rank's handle on a helper process it started (see :meth:`start`)."""
 
-    def __init__(self, config: HelperConfig, popen: subprocess.Popen[bytes], ready: str = ""):
+    def __init__(self, config: HelperConfig, popen: ChildProcess, ready: str = ""):
         self.config = config
         self.popen = popen
         self.ready = ready  # what followed "ready" on its ready pipe ("" without one)
@@ -502,18 +520,23 @@ class HelperProcess:
         handle = cls(config, popen)
         if ready_timeout_s is None:
             return handle
+        return handle.await_ready(read_fd, ready_timeout_s)
+
+    def await_ready(self, read_fd: int, timeout_s: float) -> HelperProcess:
+        """Read the process's ready line from ``read_fd`` (closed here); RuntimeError,
+        with the process stopped and reaped, when it reports a failure or says nothing in time."""
         try:
-            line = _read_line(read_fd, ready_timeout_s)
+            line = _read_line(read_fd, timeout_s)
         finally:
             os.close(read_fd)
         word, _, detail = line.partition(" ")
         if word == READY:
-            handle.ready = detail
-            return handle
-        status = popen.poll()
-        handle.stop()
-        why = line or f"no answer within {ready_timeout_s:g}s (exit code {status})"
-        raise RuntimeError(f"{config.describe()} did not start: {why}")
+            self.ready = detail
+            return self
+        status = self.popen.poll()
+        self.stop()
+        why = line or f"no answer within {timeout_s:g}s (exit code {status})"
+        raise RuntimeError(f"{self.config.describe()} did not start: {why}")
 
     @property
     def pid(self) -> int:

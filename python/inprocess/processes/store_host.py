@@ -39,6 +39,7 @@ import time
 from typing import Any, NoReturn, Optional, Sequence
 
 from ..control.protocol import done_key, is_timeout, monitor_heartbeat_key
+from ..control.tcpstore_client import TCPStoreClient
 from .contract import EXIT_OK, StopRequest, StoreHostConfig, run_helper, tell_failed, tell_ready
 
 log = logging.getLogger("inprocess.processes.store_host")
@@ -100,17 +101,19 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
         return EXIT_SERVER
     tell_ready(config, str(server.port))
     log.info("serving on port %d for %d ranks", server.port, config.world_size)
-    liveness = _JobLiveness(server, config.world_size, config.idle_timeout_s)
+    # Its own waits go through the torch-free client: torch's client logs a warning
+    # on every wait that times out, once per check interval for the whole job.
+    client = TCPStoreClient("127.0.0.1", server.port, timeout=config.check_interval_s)
+    liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s)
     call: Optional[int] = None
-    chunk = datetime.timedelta(seconds=config.check_interval_s)  # torch's unit, at torch's call
     while not stop.is_set():
         try:
             # Blocking waits: the server wakes this client the moment the key is set.
             if call is None:
-                server.wait([CALL_KEY], chunk)
-                call = int(server.get(CALL_KEY))
+                client.wait([CALL_KEY], config.check_interval_s)
+                call = int(client.get(CALL_KEY))
                 continue
-            server.wait([done_key(call)], chunk)
+            client.wait([done_key(call)], config.check_interval_s)
             log.info("call %d is done", call)
             return EXIT_OK
         except Exception as e:
