@@ -49,6 +49,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
+from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
 from ..state import Mode
 from .contract import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, MonitorConfig, StopRequest, run_helper
 
@@ -56,6 +57,7 @@ EXIT_STORE = 3
 EXIT_UNKILLABLE = 5
 
 _FOREVER_S = 10 * 365 * 24 * 3600.0
+_MARK_GONE_CONNECT_S = 2.0  # a monitor that must reconnect to say it leaves does not wait longer
 _FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
 _BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
 
@@ -201,8 +203,6 @@ class Monitor:
     # store ------------------------------------------------------------------
 
     def _connect(self) -> Any:
-        from ..control.tcpstore_client import TCPStoreClient
-
         timeout = self.args.store_timeout_s
         return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout)
 
@@ -232,6 +232,7 @@ class Monitor:
                 store = None
             if self._stop_heartbeat.wait(self.args.heartbeat_interval_s):
                 break
+        self._mark_gone(store)
         if store is not None:
             store.close()
 
@@ -257,13 +258,19 @@ class Monitor:
 
         threading.Thread(target=run, name=f"inprocess-monitor-lost-{peer}", daemon=True).start()
 
-    def _mark_gone(self) -> None:
-        """Tell the peers' monitors that this one stops on purpose (not lost)."""
-        if self.args.heartbeat_interval_s <= 0:
-            return
+    def _mark_gone(self, store: Any) -> None:
+        """Tell the peers' monitors that this one stops on purpose (not lost), on
+        the heartbeat's own connection (a new one if it had none): at the end of
+        a job the store host may be gone already, and then there is nobody left
+        to tell, which is no reason to wait or to warn."""
         try:
-            with self._connect() as store:
-                store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+            if store is None:
+                timeout = min(self.args.store_timeout_s, _MARK_GONE_CONNECT_S)
+                store = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
+                                       connect_timeout=timeout)
+            store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+        except StoreConnectionError as e:
+            log.info("the store is gone (the job is over): nothing to mark (%s)", e)
         except Exception as e:
             log.warning("could not mark this monitor gone in the store: %s: %s", type(e).__name__, e)
 
@@ -327,8 +334,7 @@ class Monitor:
     def close(self) -> None:
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(self.args.store_timeout_s)
-            self._mark_gone()
+            self._heartbeat_thread.join(self.args.store_timeout_s)  # it marks this monitor gone on its way out
         if self.guard is not None:
             self.guard.stop(_ns(self.args.kill_wait_s + self.args.grace_s + 1.0))
         if self.pidfd >= 0:
