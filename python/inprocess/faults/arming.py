@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -347,9 +348,9 @@ def maybe_inject(step: object, call_wrapper: Optional["CallWrapper"] = None) -> 
 
 def _whereabouts(call_wrapper: Optional["CallWrapper"]) -> tuple[int, int, int, bool]:
     if call_wrapper is None:
-        from ..call_wrapper import current_call
-
-        call_wrapper = current_call()
+        # No wrapped call runs unless its module was imported: importing it here would import torch.
+        module = sys.modules.get("inprocess.call_wrapper")
+        call_wrapper = None if module is None else module.current_call()
     if call_wrapper is not None:
         s = call_wrapper.frozen_state
         return s.initial_rank, s.initial_world_size, s.iteration, s.mode == Mode.ACTIVE

@@ -248,7 +248,7 @@ class FaultPlan:
 
 # -- parsing -----------------------------------------------------------------
 
-_INT = re.compile(r"[0-9]{1,19}")
+_INT = re.compile(r"[0-9]{1,20}")
 _DURATION = re.compile(r"([0-9]{1,12})(?:\.([0-9]{1,9}))?(ms|s|m|h)")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 _FIELDS = ("rank", "step", "after", "iteration", "code", "for")
@@ -297,6 +297,8 @@ def _positive_duration_ms(text: str, name: str) -> int:
 
 def _range(text: str, name: str, one: Callable[[str, str], int]) -> tuple[int, int]:
     lo_text, dots, hi_text = text.partition("..")
+    if not lo_text.strip() or (dots and not hi_text.strip()):
+        raise _BadPart(text, f"{name}: a range needs both ends, like 10..20")
     lo = one(lo_text.strip(), name)
     hi = one(hi_text.strip(), name) if dots else lo
     if lo > hi:
@@ -305,7 +307,10 @@ def _range(text: str, name: str, one: Callable[[str, str], int]) -> tuple[int, i
 
 
 def _listed(text: str, name: str, top: int) -> tuple[int, ...]:
-    values = [_int(v.strip(), name, top) for v in text.split("|")]
+    pieces = [v.strip() for v in text.split("|")]
+    if not all(pieces):
+        raise _BadPart(text, f"{name}: an empty value in a list, like 1||2 or 1|")
+    values = [_int(v, name, top) for v in pieces]
     if len(set(values)) != len(values):
         raise _BadPart(text, f"{name}: a value is listed twice")
     return tuple(sorted(values))
@@ -353,24 +358,22 @@ def _parse_spec(entry: str) -> FaultSpec:
     if not at:
         raise _BadPart(entry, f"expected {kind}@rank=...,step=N (or after=DURATION)")
     fields = _parse_fields(fields_text)
-    if "rank" not in fields:
-        raise _BadPart(entry, "rank=... is missing (which initial ranks: 2, 1|3, *, random or random:K)")
-    if ("step" in fields) == ("after" in fields):
-        raise _BadPart(entry, "expected exactly one of step=N or after=DURATION (when to inject)")
-    iterations: Optional[tuple[int, ...]] = (0,)
-    if "iteration" in fields:
-        text = fields["iteration"]
-        iterations = None if text == "*" else _listed(text, "iteration", MAX_ITERATION)
     try:
-        return FaultSpec(
-            kind=kind,
-            ranks=_ranks(fields["rank"]),
-            step=_range(fields["step"], "step", lambda t, n: _int(t, n, MAX_STEP)) if "step" in fields else None,
-            after_ms=_range(fields["after"], "after", _duration_ms) if "after" in fields else None,
-            iterations=iterations,
-            code=_int(fields["code"], "code", 255) if "code" in fields else None,
-            for_ms=_positive_duration_ms(fields["for"], "for") if "for" in fields else None,
-        )
+        # Each value first, so that a malformed one is named rather than reported missing.
+        ranks = _ranks(fields["rank"]) if "rank" in fields else None
+        step = _range(fields["step"], "step", lambda t, n: _int(t, n, MAX_STEP)) if "step" in fields else None
+        after_ms = _range(fields["after"], "after", _duration_ms) if "after" in fields else None
+        iterations: Optional[tuple[int, ...]] = (0,)
+        if "iteration" in fields:
+            text = fields["iteration"]
+            iterations = None if text == "*" else _listed(text, "iteration", MAX_ITERATION)
+        code = _int(fields["code"], "code", 255) if "code" in fields else None
+        for_ms = _positive_duration_ms(fields["for"], "for") if "for" in fields else None
+        if ranks is None:
+            raise _BadPart(entry, "rank=... is missing (which initial ranks: 2, 1|3, *, random or random:K)")
+        if (step is None) == (after_ms is None):
+            raise _BadPart(entry, "expected exactly one of step=N or after=DURATION (when to inject)")
+        return FaultSpec(kind, ranks, step=step, after_ms=after_ms, iterations=iterations, code=code, for_ms=for_ms)
     except _BadPart:
         raise
     except ValueError as e:
