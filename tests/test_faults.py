@@ -551,6 +551,25 @@ def test_maybe_inject_is_inert_without_a_plan_and_checks_the_step() -> None:
         faults.maybe_inject("3")
 
 
+class _CallWrapperStandIn:
+    """What maybe_inject reads of a CallWrapper: its frozen state and iteration."""
+
+    def __init__(self, frozen: FrozenState):
+        self.frozen_state = frozen
+        self.iteration = frozen.iteration
+
+
+def test_without_an_arming_the_call_wrappers_rank_and_iteration_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(faults.ENV_VAR, "exception@rank=1,step=3,iteration=1")
+    monkeypatch.setenv("RANK", "0")  # what the launcher said; the wrapper's state wins
+    for frozen in (state(rank=0, iteration=1), state(rank=1, iteration=0),
+                   state(rank=1, iteration=1, mode=Mode.INACTIVE)):
+        faults.maybe_inject(3, _CallWrapperStandIn(frozen))  # type: ignore[arg-type]
+    faults.maybe_inject(2, _CallWrapperStandIn(state(rank=1, iteration=1)))  # type: ignore[arg-type]
+    with pytest.raises(InjectedException, match="initial rank 1, iteration 1, step 3"):
+        faults.maybe_inject(3, _CallWrapperStandIn(state(rank=1, iteration=1)))  # type: ignore[arg-type]
+
+
 def test_a_spare_skips_the_faults_that_need_training_code() -> None:
     plan = FaultPlan.parse("exception@rank=1,step=1;hang@rank=1,after=1s;sigkill@rank=1,after=1h")
     with faults.arm(plan, 1, 2, 0, active=False) as armed:

@@ -44,6 +44,8 @@ DELIVERY_SIGNAL = signal.SIGRTMIN + 6
 _fired: dict[tuple[str, int, int], object] = {}
 _current: Optional["ArmedFaults"] = None
 _plan_cache: dict[str, FaultPlan] = {}
+# The step faults of the last (plan, rank, world size, iteration, active) maybe_inject scheduled unarmed.
+_unarmed_steps: dict[tuple[FaultPlan, int, int, int, bool], dict[int, list[ScheduledFault]]] = {}
 
 
 class _MainThreadDelivery:
@@ -340,10 +342,19 @@ def maybe_inject(step: object, call_wrapper: Optional["CallWrapper"] = None) -> 
     plan = plan_from_environment()
     if plan is None:
         return
-    rank, world_size, iteration, active = _whereabouts(call_wrapper)
-    for f in plan.schedule(rank, world_size, iteration):
-        if f.step == step and (active or f.spec.kind not in MAIN_THREAD_KINDS):
-            fire(f, str(plan), rank)
+    where = _whereabouts(call_wrapper)
+    key = (plan,) + where
+    due = _unarmed_steps.get(key)
+    if due is None:
+        rank, world_size, iteration, active = where
+        due = {}
+        for f in plan.schedule(rank, world_size, iteration):
+            if f.step is not None and (active or f.spec.kind not in MAIN_THREAD_KINDS):
+                due.setdefault(f.step, []).append(f)
+        _unarmed_steps.clear()
+        _unarmed_steps[key] = due
+    for f in due.get(step, ()):
+        fire(f, str(plan), where[0])
 
 
 def _whereabouts(call_wrapper: Optional["CallWrapper"]) -> tuple[int, int, int, bool]:

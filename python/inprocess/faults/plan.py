@@ -141,7 +141,7 @@ class FaultSpec:
         if not isinstance(ranks, Ranks):
             raise ValueError(f"ranks {ranks!r}: expected an inprocess.faults.Ranks")
         if (self.step is None) == (self.after_ms is None):
-            raise ValueError(f"{self.kind}: expected exactly one of step=N or after=DURATION (when to inject it)")
+            raise ValueError(f"{self.kind.value}: expected exactly one of step=N or after=DURATION (when to inject it)")
         if self.step is not None:
             _check_range("step", self.step, MAX_STEP)
         if self.after_ms is not None:
@@ -157,13 +157,13 @@ class FaultSpec:
     def _check_options(self) -> None:
         if self.code is not None:
             if self.kind is not Kind.OS_EXIT:
-                raise ValueError(f"code={self.code}: only os_exit takes an exit code, not {self.kind}")
+                raise ValueError(f"code={self.code}: only os_exit takes an exit code, not {self.kind.value}")
             if not _is_int_in(self.code, 0, 255):
                 raise ValueError(f"code={self.code!r}: expected an exit status in 0..255")
         if self.for_ms is not None:
             if self.kind not in KINDS_WITH_DURATION:
                 names = ", ".join(sorted(k.value for k in KINDS_WITH_DURATION))
-                raise ValueError(f"for={self.for_ms!r}ms: only {names} take a duration, not {self.kind}")
+                raise ValueError(f"for={self.for_ms!r}ms: only {names} take a duration, not {self.kind.value}")
             if not _is_int_in(self.for_ms, 1, MAX_DURATION_MS):
                 top = format_duration(MAX_DURATION_MS)
                 raise ValueError(f"for={self.for_ms!r}ms: expected a duration of 1ms..{top}")
@@ -184,7 +184,7 @@ class FaultSpec:
             fields.append(f"code={self.code}")
         if self.for_ms is not None:
             fields.append(f"for={format_duration(self.for_ms)}")
-        return f"{self.kind}@" + ",".join(fields)
+        return f"{self.kind.value}@" + ",".join(fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +356,7 @@ def _parse_spec(entry: str) -> FaultSpec:
     except ValueError:
         raise _BadPart(kind_text, f"unknown fault kind; expected one of {', '.join(k.value for k in Kind)}") from None
     if not at:
-        raise _BadPart(entry, f"expected {kind}@rank=...,step=N (or after=DURATION)")
+        raise _BadPart(entry, f"expected {kind.value}@rank=...,step=N (or after=DURATION)")
     fields = _parse_fields(fields_text)
     try:
         # Each value first, so that a malformed one is named rather than reported missing.
