@@ -28,10 +28,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="a malformed line is an error (default: skipped with a warning)")
     ns = parser.parse_args(argv)
-    prefix = ns.out if ns.out is not None else os.path.join(ns.directory, "timeline")
-    out_dir = os.path.dirname(prefix) or "."
-    if not os.path.isdir(out_dir):
-        parser.error(f"--out {prefix!r}: the directory {out_dir!r} does not exist")
     if ns.png:
         try:
             from inprocess.timeline import plot
@@ -47,6 +43,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:
         print(f"inprocess.timeline: {e}", file=sys.stderr)
         return 2
+    prefix = ns.out if ns.out is not None else os.path.join(ns.directory, "timeline")
+    out_dir = os.path.dirname(prefix) or "."
+    if not os.path.isdir(out_dir):
+        parser.error(f"--out {prefix!r}: the directory {out_dir!r} does not exist")
     timeline = build(loaded)
     for warning in timeline.warnings:
         print(f"inprocess.timeline: warning: {warning}", file=sys.stderr)

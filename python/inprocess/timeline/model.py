@@ -44,7 +44,7 @@ class Instant:
     rank: int
     track: str
     name: str
-    category: str  # "fault", "restart", "decision", "exit"
+    category: str  # "call", "fault", "restart", "decision", "exit"
     t_ns: int
     iteration: Optional[int]
     args: dict[str, Any]
@@ -93,7 +93,8 @@ class Timeline:
 
 def fault_label(fault: dict[str, Any]) -> str:
     """``kind type`` of a fault record, e.g. "exception RuntimeError", "killed SIGKILL"."""
-    kind, kind_type = fault.get("kind") or fault.get("fault"), fault.get("type")
+    # An event names it "fault" (its "kind" is the event's); a decision's record, "kind".
+    kind, kind_type = fault["fault"] if "fault" in fault else fault.get("kind"), fault.get("type")
     return " ".join(str(x) for x in (kind, kind_type) if x)
 
 
@@ -256,7 +257,11 @@ def _own_instants(segment: Segment, clocks: _Clocks) -> list[Instant]:
     for e in segment.events:
         t = clocks.at(segment, e.t_ns)
         f = e.fields
-        if e.kind == "fault":
+        args: dict[str, Any]
+        if e.kind == "call_start":
+            args = {k: f[k] for k in ("call", "world_size", "host", "pid") if k in f}
+            out.append(Instant(segment.rank, MAIN, f"call {e.call} starts", "call", t, None, args))
+        elif e.kind == "fault":
             args = {k: f.get(k) for k in ("iteration", "fault", "type", "message")}
             out.append(Instant(segment.rank, MAIN, f"fault: {fault_label(f)}", "fault", t, e.iteration, args))
         elif e.kind in ("restart_detected", "abort_done"):

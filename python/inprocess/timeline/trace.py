@@ -4,7 +4,7 @@ One process per rank (pid = rank + 1: viewers treat 0 as no process), with
 two threads: the main thread's phases (tid 2·rank + 1) and the restart trigger
 thread's abort (tid 2·rank + 2); tids are unique across the trace, because
 some viewers key threads by tid alone. Phases and aborts are complete events
-("X"); faults, restart detections, abort ends, decisions and exits are
+("X"); call starts, faults, restart detections, abort ends, decisions and exits are
 thread-scoped instant events ("i"). ``ts`` and ``dur`` are µs since the
 timeline's origin, with ns kept as decimals.
 """
