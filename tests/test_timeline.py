@@ -91,9 +91,10 @@ class RankFile:
 FAULT = {"rank": 1, "kind": "exception", "type": "RuntimeError", "message": "boom"}
 
 
-def one_restart_job(directory: pathlib.Path, ranks: int = 2, **kwargs: Any) -> list[RankFile]:
+def one_restart_job(directory: pathlib.Path, ranks: int = 2, message: str = "boom", **kwargs: Any) -> list[RankFile]:
     """Rank 1 raises at 100 ms; each rank r resumes at 112 + r ms; all done at 200 ms."""
     files = [RankFile(directory, r, **kwargs) for r in range(ranks)]
+    fault = {**FAULT, "message": message}
     for r, f in enumerate(files):
         f.start(0, world_size=ranks)
         f.phase(0.5, "INITIAL_BARRIER", 0)
@@ -101,9 +102,9 @@ def one_restart_job(directory: pathlib.Path, ranks: int = 2, **kwargs: Any) -> l
         f.iteration(10.2, 0, world_size=ranks)
         f.phase(11, "RUNNING", 0)
         if r == 1:
-            f.emit(100, "fault", iteration=0, fault="exception", type="RuntimeError", message="boom")
+            f.emit(100, "fault", iteration=0, fault="exception", type="RuntimeError", message=message)
         f.restart(102, 0, detected_ms=101 + r * 0.1, aborted_ms=101.5 + r * 0.1)
-        f.decision(110, 1, faults=[FAULT], world_size=ranks)
+        f.decision(110, 1, faults=[fault], world_size=ranks)
         f.iteration(111, 1, world_size=ranks)
         f.phase(112 + r, "RUNNING", 1)
         f.done(200, 1)
@@ -289,10 +290,19 @@ def test_the_summary_names_the_death_first(tmp_path: pathlib.Path) -> None:
     killed_rank_job(tmp_path)
     loaded = load(str(tmp_path))
     text = "\n".join(summary_lines(build(loaded), str(tmp_path), loaded.n_events))
-    assert "restart 1 (iteration 0 failed): rank 0 killed SIGKILL: rank process 100 died" in text
+    assert "restart 1 (iteration 0 failed): rank 0 killed SIGKILL: rank process 100 died\n" in text
     assert "secondary errors (raised once the restart was under way) on rank(s) 1; excluded: rank(s) 0" in text
     # from rank 1's detection (58 ms) to its RUNNING (72 ms)
     assert "14.0 ms from the first fault (restart detected on rank 1) to the last rank's next RUNNING" in text
+
+
+def test_the_summary_keeps_the_words_of_a_long_message(tmp_path: pathlib.Path) -> None:
+    message = "[/src/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5036. " + "x" * 100
+    one_restart_job(tmp_path, message=message)
+    loaded = load(str(tmp_path))
+    line = summary_lines(build(loaded), str(tmp_path), loaded.n_events)[1]
+    words = message.split("] ", 1)[1]  # the source location goes; the message is cut at 70 characters
+    assert line == f"restart 1 (iteration 0 failed): rank 1 exception RuntimeError: {words[:67]}..."
 
 
 def test_a_malformed_line_is_named_by_file_and_line(tmp_path: pathlib.Path) -> None:
@@ -386,8 +396,8 @@ def test_cli_writes_the_trace_and_prints_the_summary(tmp_path: pathlib.Path) -> 
     lines = out.stdout.splitlines()
     assert lines[1] == "restart 1 (iteration 0 failed): rank 1 exception RuntimeError: boom"
     # from rank 1's fault (100 ms) to rank 1's RUNNING (113 ms); RESTART_BARRIER of rank 1 lasted 113 - 105 ms
-    assert lines[2] == ("  13.0 ms from the first fault (fault on rank 1) to the last rank's next RUNNING; "
-                        "slowest phase: RESTART_BARRIER on rank 1, 8.0 ms")
+    assert lines[2] == "  13.0 ms from the first fault (fault on rank 1) to the last rank's next RUNNING"
+    assert lines[3] == "  slowest phase: RESTART_BARRIER on rank 1, 8.0 ms"
     trace = json.loads((tmp_path / "t.trace.json").read_text())
     assert [s["name"] for s in slices(trace, 0)] == ONE_RESTART
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from inprocess.timeline.model import Restart, Timeline, fault_label
 
 _MESSAGE_CHARS = 70
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]*:\d+\]\s*")
 
 
 def _ms(ns: Optional[int]) -> str:
@@ -15,6 +17,7 @@ def _ms(ns: Optional[int]) -> str:
 
 def _fault(f: dict[str, Any]) -> str:
     message = " ".join(str(f.get("message") or "").split())
+    message = _SOURCE_LOCATION.sub("", message)  # "[.../pair.cc:553] Connection closed": the words matter
     if len(message) > _MESSAGE_CHARS:
         message = message[:_MESSAGE_CHARS - 3] + "..."
     text = f"rank {f.get('rank')} {fault_label(f)}"
@@ -22,8 +25,9 @@ def _fault(f: dict[str, Any]) -> str:
 
 
 def restart_lines(number: int, r: Restart) -> list[str]:
-    causes = "; ".join(_fault(f) for f in r.causes) or "no fault recorded"
-    lines = [f"restart {number} (iteration {r.iteration} failed): {causes}"]
+    first = _fault(r.causes[0]) if r.causes else "no fault recorded"
+    lines = [f"restart {number} (iteration {r.iteration} failed): {first}"]
+    lines += [f"  and {_fault(f)}" for f in r.causes[1:]]
     extra = []
     if r.secondary:
         ranks = ", ".join(str(f.get("rank")) for f in r.secondary)
@@ -36,9 +40,9 @@ def restart_lines(number: int, r: Restart) -> list[str]:
         recovery = "the job did not resume after it"
     else:
         recovery = f"{_ms(r.recovery_ns)} from the first fault ({r.first_fault_what}) to the last rank's next RUNNING"
-    slowest = "" if r.slowest is None else (
-        f"; slowest phase: {r.slowest.name} on rank {r.slowest.rank}, {_ms(r.slowest.dur_ns)}")
-    lines.append(f"  {recovery}{slowest}")
+    lines.append(f"  {recovery}")
+    if r.slowest is not None:
+        lines.append(f"  slowest phase: {r.slowest.name} on rank {r.slowest.rank}, {_ms(r.slowest.dur_ns)}")
     return lines
 
 
