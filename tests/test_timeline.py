@@ -305,6 +305,28 @@ def test_the_summary_keeps_the_words_of_a_long_message(tmp_path: pathlib.Path) -
     assert line == f"restart 1 (iteration 0 failed): rank 1 exception RuntimeError: {words[:67]}..."
 
 
+def test_the_slowest_phase_is_the_one_that_held_the_others_back(tmp_path: pathlib.Path) -> None:
+    """Rank 0's main thread stays blocked in the function 5 s after its restart was
+    detected (a gloo send that only its timeout ends): rank 1 waits all that time in
+    the barrier, but the phase to blame is rank 0's."""
+    r0, r1 = RankFile(tmp_path, 0), RankFile(tmp_path, 1)
+    for f in (r0, r1):
+        f.start(0)
+        f.phase(1, "INITIAL_BARRIER", 0)
+        f.phase(3, "RUNNING", 0)
+    r1.emit(100, "fault", iteration=0, fault="exception", type="RuntimeError", message="boom")
+    r1.restart(102, 0, detected_ms=101, aborted_ms=101.5)
+    r0.restart(5102, 0, detected_ms=101, aborted_ms=101.5)
+    for f in (r0, r1):
+        f.decision(5110, 1, faults=[FAULT])
+        f.phase(5111, "RUNNING", 1)
+    (restart,) = build(load(str(tmp_path))).restarts
+    assert restart.slowest is not None
+    assert (restart.slowest.rank, restart.slowest.name, restart.slowest.dur_ns) == (
+        0, "RUNNING after the restart was detected", 5_001_000_000)
+    assert restart.recovery_ns == 5_011_000_000
+
+
 def test_a_malformed_line_is_named_by_file_and_line(tmp_path: pathlib.Path) -> None:
     one_restart_job(tmp_path)
     path = tmp_path / "rank1.jsonl"
@@ -397,7 +419,8 @@ def test_cli_writes_the_trace_and_prints_the_summary(tmp_path: pathlib.Path) -> 
     assert lines[1] == "restart 1 (iteration 0 failed): rank 1 exception RuntimeError: boom"
     # from rank 1's fault (100 ms) to rank 1's RUNNING (113 ms); RESTART_BARRIER of rank 1 lasted 113 - 105 ms
     assert lines[2] == "  13.0 ms from the first fault (fault on rank 1) to the last rank's next RUNNING"
-    assert lines[3] == "  slowest phase: RESTART_BARRIER on rank 1, 8.0 ms"
+    # Both arrive at the barrier at 105 ms: rank 1 has the higher number, and waits 8 ms there.
+    assert lines[3] == "  slowest phase: RESTART_BARRIER on rank 1 (the last at the barrier), 8.0 ms"
     trace = json.loads((tmp_path / "t.trace.json").read_text())
     assert [s["name"] for s in slices(trace, 0)] == ONE_RESTART
 

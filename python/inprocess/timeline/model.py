@@ -17,6 +17,8 @@ TRIGGER = "trigger"  # the restart trigger thread: the abort
 
 RESTART_PHASES = ("ABORTING", "FINALIZING", "HEALTH_CHECK", "RESTART_BARRIER")
 SPARE = "SPARE"  # a slice the timeline adds: a spare waits out an iteration (no phase event says so)
+# The main thread still in the function after the restart was detected: the abort releasing it.
+RELEASE = "RUNNING after the restart was detected"
 SECONDARY = "after_restart"  # a fault raised once the restart was under way: a consequence, not a cause
 
 # A process whose own offset (wall - monotonic) differs from its host's by more
@@ -50,6 +52,13 @@ class Instant:
     args: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    rank: int
+    name: str  # a restart phase, or RELEASE
+    dur_ns: int
+
+
 @dataclasses.dataclass
 class Restart:
     """One restart of one run: iteration ``iteration`` failed."""
@@ -63,7 +72,7 @@ class Restart:
     first_fault_ns: Optional[int]  # the earliest fault or restart detection seen
     first_fault_what: str
     resumed_ns: Optional[int]  # the last rank's first RUNNING (or SPARE) of iteration + 1
-    slowest: Optional[Slice]  # the longest restart phase of any rank
+    slowest: Optional[Step]  # the longest step of the last rank at the restart barrier
 
     @property
     def recovery_ns(self) -> Optional[int]:
@@ -357,12 +366,26 @@ def _restarts(run: Run, clocks: _Clocks, slices: list[Slice], instants: list[Ins
             if s.track == MAIN and s.iteration == i + 1 and s.name in ("RUNNING", SPARE) and s.rank in ranks:
                 by_rank[s.rank] = min(by_rank.get(s.rank, s.start_ns), s.start_ns)
         resumed = list(by_rank.values())
-        phases = [s for s in slices if s.track == MAIN and s.iteration == i and s.name in RESTART_PHASES
-                  and s.rank in ranks]
-        slowest = max(phases, key=lambda s: s.dur_ns) if phases else None
         out.append(Restart(run.call, run.ordinal, i, causes, secondary, terminated, first, what,
-                           max(resumed) if resumed else None, slowest))
+                           max(resumed) if resumed else None, _slowest_step(i, slices)))
     return out
+
+
+def _slowest_step(iteration: int, slices: list[Slice]) -> Optional[Step]:
+    """The longest step of the rank that arrived last at the restart barrier: the
+    one every other rank waited for (their own barrier time is that wait)."""
+    mine = [s for s in slices if s.iteration == iteration]
+    arrivals = {s.rank: s.start_ns for s in mine if s.track == MAIN and s.name == "RESTART_BARRIER"}
+    if not arrivals:
+        return None
+    last = max(arrivals, key=lambda r: (arrivals[r], r))
+    steps = [Step(last, s.name, s.dur_ns) for s in mine
+             if s.rank == last and s.track == MAIN and s.name in RESTART_PHASES]
+    detected = [s.start_ns for s in mine if s.rank == last and s.track == TRIGGER]
+    aborting = [s.start_ns for s in mine if s.rank == last and s.track == MAIN and s.name == "ABORTING"]
+    if detected and aborting:
+        steps.append(Step(last, RELEASE, aborting[0] - detected[0]))
+    return max(steps, key=lambda step: step.dur_ns)
 
 
 def _first_sign(run: Run, clocks: _Clocks, iteration: int) -> tuple[Optional[int], str]:

@@ -42,7 +42,8 @@ def restart_lines(number: int, r: Restart) -> list[str]:
         recovery = f"{_ms(r.recovery_ns)} from the first fault ({r.first_fault_what}) to the last rank's next RUNNING"
     lines.append(f"  {recovery}")
     if r.slowest is not None:
-        lines.append(f"  slowest phase: {r.slowest.name} on rank {r.slowest.rank}, {_ms(r.slowest.dur_ns)}")
+        lines.append(f"  slowest phase: {r.slowest.name} on rank {r.slowest.rank} (the last at the barrier), "
+                     f"{_ms(r.slowest.dur_ns)}")
     return lines
 
 
