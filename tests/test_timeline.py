@@ -373,6 +373,9 @@ def test_several_calls_and_a_relaunched_process_in_one_file(tmp_path: pathlib.Pa
     assert [(r.call, r.attempt, r.iteration, r.causes[0]["type"]) for r in timeline.restarts] == [
         (0, 0, 0, "RuntimeError"), (0, 1, 0, "ValueError")]
     assert timeline.restarts[1].recovery_ns == 11_000_000  # the fault at 1010 ms -> RUNNING at 1021 ms
+    # Iteration 0 happens in every run: the run tells them apart (the PNG zooms into one run's).
+    assert [r.run for r in timeline.restarts] == [0, 2]
+    assert sorted({(s.run, s.iteration) for s in timeline.slices if s.name == "ABORTING"}) == [(0, 0), (2, 0)]
     names = [s["name"] for s in slices(to_trace(timeline), 0)]
     assert names == [*ONE_RESTART, "INITIAL_BARRIER", "RUNNING", "COMPLETION", "DONE", *ONE_RESTART]
     assert timeline.ranks[0].pids == [100, 200]

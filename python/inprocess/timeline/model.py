@@ -35,6 +35,7 @@ class Slice:
     end_ns: int
     iteration: Optional[int]
     args: dict[str, Any]
+    run: int = 0  # which run (wrapped call of the job) it belongs to: iterations repeat across runs
 
     @property
     def dur_ns(self) -> int:
@@ -50,6 +51,7 @@ class Instant:
     t_ns: int
     iteration: Optional[int]
     args: dict[str, Any]
+    run: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Restart:
     first_fault_what: str
     resumed_ns: Optional[int]  # the last rank's first RUNNING (or SPARE) of iteration + 1
     slowest: Optional[Step]  # the longest step of the last rank at the restart barrier
+    run: int = 0
 
     @property
     def recovery_ns(self) -> Optional[int]:
@@ -150,11 +153,15 @@ def build(loaded: Loaded) -> Timeline:
     instants: list[Instant] = []
     restarts: list[Restart] = []
     ranks: dict[int, RankInfo] = {}
-    for run in loaded.runs:
+    for k, run in enumerate(loaded.runs):
         run_slices, run_instants = _run_timeline(run, clocks)
+        run_slices = [dataclasses.replace(s, run=k) for s in run_slices]
+        run_instants = [dataclasses.replace(i, run=k) for i in run_instants]
         slices.extend(run_slices)
         instants.extend(run_instants)
-        restarts.extend(_restarts(run, clocks, run_slices, run_instants))
+        for restart in _restarts(run, clocks, run_slices, run_instants):
+            restart.run = k
+            restarts.append(restart)
         for rank, s in run.segments.items():
             info = ranks.setdefault(rank, RankInfo(rank, [], []))
             if s.host is not None and s.host not in info.hosts:

@@ -102,24 +102,32 @@ def _draw_zoom(ax: Axes, timeline: Timeline, row: dict[int, int], r: Restart, nu
     assert r.first_fault_ns is not None
     origin = r.first_fault_ns
     _draw_rows(ax, timeline, row, origin, zoomed=True)
-    ends = [s.end_ns for s in timeline.slices if s.track == MAIN and s.iteration == r.iteration
-            and s.name not in ("RUNNING", SPARE)]
+    mine = [s for s in timeline.slices if s.run == r.run and s.iteration == r.iteration]
+    ends = [s.end_ns for s in mine if s.track == MAIN and s.name not in ("RUNNING", SPARE)]
     end = r.resumed_ns if r.resumed_ns is not None else max(ends, default=origin + 10_000_000)
-    detected = [s.start_ns for s in timeline.slices if s.track == TRIGGER and s.iteration == r.iteration]
+    detected = [s.start_ns for s in mine if s.track == TRIGGER]
     start = min([origin, *detected])
     pad = max((end - start) * 0.12, 300_000)
     ax.set_xlim((start - origin - pad) / 1e6, (end - origin + pad) / 1e6)
+    middle = (start + end) / 2
     for i in timeline.instants:
-        if i.category == "fault" and i.iteration == r.iteration and i.args.get("fault") != SECONDARY:
+        if i.run == r.run and i.category == "fault" and i.iteration == r.iteration \
+                and i.args.get("fault") != SECONDARY:
             label = " ".join(str(x) for x in (i.args.get("fault"), i.args.get("type")) if x)
-            ax.annotate(label, ((i.t_ns - origin) / 1e6, row[i.rank]), xytext=(6, -9), textcoords="offset points",
+            left = i.t_ns > middle  # labels of late faults go to the left, inside the panel
+            ax.annotate(label, ((i.t_ns - origin) / 1e6, row[i.rank]), xytext=(-6 if left else 6, -9),
+                        textcoords="offset points", ha="right" if left else "left",
                         fontsize=8, color=FAULT_COLOUR, fontweight="bold", zorder=6,
                         bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "alpha": 0.75, "edgecolor": "none"})
     recovery = _ms(r.recovery_ns)
-    failing = ", ".join(str(f.get("rank")) for f in r.causes) or "?"
-    ax.set_title(f"restart {number}: rank {failing} failed\nall RUNNING again after {recovery}", fontsize=9,
-                 loc="left")
-    ax.set_xlabel(f"ms from the first fault of iteration {r.iteration}")
+    cause = "no fault recorded"
+    if r.causes:
+        first = r.causes[0]
+        cause = f"rank {first.get('rank')}: {first.get('kind')} {first.get('type')}"
+        cause += f" (+{len(r.causes) - 1} more)" if len(r.causes) > 1 else ""
+    ax.set_title(f"restart {number}, iteration {r.iteration}\n{cause}\nall RUNNING again after {recovery}",
+                 fontsize=9, loc="left")
+    ax.set_xlabel("ms from its first fault")
 
 
 def _ms(ns: Optional[int]) -> str:

@@ -56,10 +56,12 @@ def summary_lines(timeline: Timeline, source: str, n_events: int) -> list[str]:
     runs: dict[tuple[int, int], list[Restart]] = {}
     for r in timeline.restarts:
         runs.setdefault((r.call, r.attempt), []).append(r)
-    several = len({(s.call, s.attempt) for s in timeline.restarts}) > 1
+    several = len(runs) > 1
+    number = 0  # counted across calls, as the PNG numbers them
     for (call, attempt), restarts in runs.items():
         if several or call or attempt:
             lines.append(f"call {call}" + (f", started again ({attempt} time(s) before)" if attempt else "") + ":")
-        for number, r in enumerate(restarts, start=1):
+        for r in restarts:
+            number += 1
             lines.extend(restart_lines(number, r))
     return lines
