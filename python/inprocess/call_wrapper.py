@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from . import _native
+from . import _native, faults
 from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
@@ -154,6 +154,7 @@ class CallWrapper:
     # -- the restart loop ------------------------------------------------------
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
         call_index = self._enter()
         try:
             self._rt = RankRuntime.open(
@@ -215,7 +216,8 @@ class CallWrapper:
                 self._check_health_before_iteration()
                 if self.restarts:
                     self.restarts[-1].initialized_ns = time.monotonic_ns()
-                value = fn(*args, **kwargs)
+                with faults.arm_from_environment(s.freeze()):  # INPROCESS_FAULTS: rehearsed failures
+                    value = fn(*args, **kwargs)
         except RankShouldRestart:
             return False, None
         except BaseException as e:
@@ -253,21 +255,24 @@ class CallWrapper:
         # moment: it is recorded either way, marked, and only a first-hand
         # fault counts as this rank's (fn_exception, FaultCounter).
         kind = "exception" if first_hand else "after_restart"
-        p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e))
-        self._emit("fault", iteration=s.iteration, fault=kind, type=type(e).__name__, message=str(e)[:300])
+        record = FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e)
+        p.report_fault(record)
+        self._emit("fault", record.t_ns, iteration=s.iteration, fault=kind, type=record.type, message=record.message)
         if first_hand:
             s.fn_exception = e
         log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
         _drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
+        self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
         try:
             self._check_health_before_iteration()
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
         # A spare blocks on the trigger's event: no CPU burnt while it waits.
-        outcome.done.wait()
+        with faults.arm_from_environment(self.state.freeze()):
+            outcome.done.wait()
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, None
 
@@ -288,8 +293,6 @@ class CallWrapper:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
                                aborted_ns=outcome.aborted_ns)
-        self._emit("restart_detected", iteration=fault_iteration, t_ns=outcome.detected_ns)
-        self._emit("abort_done", iteration=fault_iteration, t_ns=outcome.aborted_ns)
         self._runtime.release_iteration()
         self._set_phase(_Phase.FINALIZING)
         self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
@@ -333,10 +336,11 @@ class CallWrapper:
 
     def _emit_decision(self, decision: Decision) -> None:
         m = decision.membership
-        faults = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message} for f in decision.faults[:8]]
+        records = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message, "t_ns": f.t_ns,
+                    "host": f.host} for f in decision.faults[:8]]
         self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
                    active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
-                   n_faults=decision.n_faults, faults=faults)
+                   n_faults=decision.n_faults, faults=records)
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -496,9 +500,14 @@ class CallWrapper:
 
     def _run_abort_hook(self) -> None:
         """From the restart trigger thread, once the main thread was interrupted."""
-        self._runtime.shut_down_iteration_store()
-        if self._w.abort is not None:
-            self._w.abort(self.state.freeze())
+        iteration = self.state.iteration
+        self._emit("restart_detected", iteration=iteration)
+        try:
+            self._runtime.shut_down_iteration_store()
+            if self._w.abort is not None:
+                self._w.abort(self.state.freeze())
+        finally:
+            self._emit("abort_done", iteration=iteration)
 
     def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
         """From the trigger thread: count this rank out of the next barrier."""
@@ -541,9 +550,10 @@ class CallWrapper:
                          f"{_seconds(self._w.timeouts.soft_timeout):g}s)")
         log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
         try:
-            rt.protocol.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e))
-            self._emit("fault", iteration=s.iteration, fault="soft_timeout", type=type(e).__name__,
-                       message=str(e))
+            record = FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e)
+            rt.protocol.report_fault(record)
+            self._emit("fault", record.t_ns, iteration=s.iteration, fault="soft_timeout", type=record.type,
+                       message=record.message)
         except Exception as err:  # the store is gone: the hard timeout is the next line of defence
             log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
 

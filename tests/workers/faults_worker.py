@@ -1,9 +1,8 @@
 """A rank of a small gloo job under inprocess.Wrapper whose training code names no fault.
 
-The loop calls ``inprocess.faults.maybe_inject(step)`` every step, and the
-function arms the timed faults with ``inprocess.faults.arm_from_environment``
-when an iteration starts: this simulates the hook the wrapper will call
-itself. Which fault, on which rank and when comes only from INPROCESS_FAULTS.
+The loop calls ``inprocess.faults.maybe_inject(step)`` every step; the
+wrapper arms the timed faults itself when an iteration starts. Which fault, on
+which rank and when comes only from INPROCESS_FAULTS.
 
 Environment: INPROCESS_TEST_OUT (directory for rank<N>.json), FAULTS_TEST_STEPS
 (default 8), FAULTS_TEST_STEP_SLEEP (seconds per step, default 0.05).
@@ -43,18 +42,17 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     state = call_wrapper.frozen_state
     entry = {"iteration": state.iteration, "world_size": state.active_world_size, "steps": 0}
     log["iterations"].append(entry)
-    with faults.arm_from_environment(state):
-        dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
-                                world_size=state.active_world_size, timeout=td(10))
-        total = torch.zeros(4, dtype=torch.float64)  # exact sums: the test recomputes them
-        for step in range(STEPS):
-            call_wrapper.ping()
-            faults.maybe_inject(step)
-            total += 1
-            dist.all_reduce(total)
-            entry["steps"] = step + 1
-            time.sleep(STEP_SLEEP)
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
+                            world_size=state.active_world_size, timeout=td(10))
+    total = torch.zeros(4, dtype=torch.float64)  # exact sums: the test recomputes them
+    for step in range(STEPS):
+        call_wrapper.ping()
+        faults.maybe_inject(step)
+        total += 1
+        dist.all_reduce(total)
+        entry["steps"] = step + 1
+        time.sleep(STEP_SLEEP)
+    dist.destroy_process_group()
     return {"iteration": state.iteration, "total": float(total[0])}
 
 

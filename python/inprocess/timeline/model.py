@@ -10,6 +10,8 @@ import dataclasses
 import statistics
 from typing import Any, Optional
 
+from inprocess.control.protocol import FaultRecord
+from inprocess.engine.restart_record import is_consequence
 from inprocess.timeline.reading import Event, Loaded, Run, Segment
 
 MAIN = "main"  # the rank's main thread: its phases
@@ -69,7 +71,7 @@ class Restart:
     attempt: int  # the run's ordinal: > 0 when the processes were started again
     iteration: int
     causes: list[dict[str, Any]]  # faults that were not consequences: rank, kind, type, message
-    secondary: list[dict[str, Any]]  # after_restart faults
+    secondary: list[dict[str, Any]]  # consequences (engine/restart_record.py: the rule)
     terminated: list[int]  # initial ranks excluded by the restart
     first_fault_ns: Optional[int]  # the earliest fault or restart detection seen
     first_fault_what: str
@@ -359,12 +361,13 @@ def _restarts(run: Run, clocks: _Clocks, slices: list[Slice], instants: list[Ins
         if faults is None:  # the job ended before a decision: what the ranks reported themselves
             faults = [{"rank": x.rank, "kind": x.args["fault"], "type": x.args["type"], "message": x.args["message"]}
                       for x in instants if x.category == "fault" and x.iteration == i and x.rank in ranks]
-        causes = [f for f in faults if f.get("kind") != SECONDARY]
+        records = [_as_record(f, i) for f in faults]
+        causes = [f for f, r in zip(faults, records, strict=True) if not is_consequence(r, records)]
         # A fault no rank reported itself (a death, found by a monitor) has no
         # time of its own, and the others' errors of that iteration are often its
         # consequence: those come first.
         causes.sort(key=lambda f: _reported_by_itself(run.segments.get(f.get("rank", -1)), i, f.get("kind")))
-        secondary = [f for f in faults if f.get("kind") == SECONDARY]
+        secondary = [f for f, r in zip(faults, records, strict=True) if is_consequence(r, records)]
         terminated = next((list(e.fields.get("terminated") or []) for s in run.segments.values()
                            for e in s.events if e.kind == "decision" and e.iteration == i + 1), [])
         first, what = _first_sign(run, clocks, i)
@@ -376,6 +379,12 @@ def _restarts(run: Run, clocks: _Clocks, slices: list[Slice], instants: list[Ins
         out.append(Restart(run.call, run.ordinal, i, causes, secondary, terminated, first, what,
                            max(resumed) if resumed else None, _slowest_step(i, slices)))
     return out
+
+
+def _as_record(fault: dict[str, Any], iteration: int) -> FaultRecord:
+    """A fault dict of an event as the record the cause rule reads."""
+    return FaultRecord(int(fault.get("rank", -1)), iteration, str(fault.get("kind", "")), str(fault.get("type", "")),
+                       str(fault.get("message", "")))
 
 
 def _slowest_step(iteration: int, slices: list[Slice]) -> Optional[Step]:
