@@ -87,3 +87,31 @@ def test_each_wait_has_a_budget_in_seconds_derived_from_its_keyword():
     # Every budget is documented in the Timeouts docstring.
     doc = type(t).__doc__ or ""
     assert all(f"``{name}``" in doc for name in budgets)
+
+
+@pytest.mark.parametrize(
+    ("store_kwargs", "message"),
+    [
+        ({"timeout": 5}, "store_kwargs['timeout']=5 (int): expected a datetime.timedelta > 0"),
+        ({"prot": 29500}, "TCPStore has no keyword 'prot'; expected one of host_idle_timeout_s, host_name"),
+        ({"port": 0}, "store_kwargs['port']=0 (int): expected a TCP port (int in 1..65535) or None"),
+        ({"port": "29500"}, "store_kwargs['port']='29500' (str): expected a TCP port"),
+        ({"host_process": 1}, "store_kwargs['host_process']=1 (int): expected True or False"),
+        ({"world_size": 0}, "store_kwargs['world_size']=0 (int): expected an int >= 1 or None"),
+        ({"host_idle_timeout_s": -1.0}, "store_kwargs['host_idle_timeout_s']=-1.0 (float): expected a number"),
+        ({"tcp_store_host_rank": -1}, "store_kwargs['tcp_store_host_rank']=-1 (int): expected an initial rank"),
+    ],
+)
+def test_store_kwargs_are_checked_when_the_wrapper_is_built(store_kwargs, message):
+    with pytest.raises(ValueError) as info:
+        inprocess.Wrapper(store_kwargs=store_kwargs)
+    assert message in str(info.value)
+
+
+def test_store_kwargs_of_a_custom_factory_are_bound_to_its_signature():
+    def factory(host_name=None, port=None):
+        raise AssertionError("not called when the Wrapper is built")
+
+    inprocess.Wrapper(store_factory=factory, store_kwargs={"port": 1})
+    with pytest.raises(ValueError, match="store_kwargs=.*'timeout'.*factory"):
+        inprocess.Wrapper(store_factory=factory, store_kwargs={"timeout": 1})

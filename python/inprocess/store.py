@@ -18,6 +18,7 @@ host rank's process (it then dies with it).
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from typing import Any, Optional
 
@@ -67,6 +68,19 @@ class TCPStore(dist.TCPStore, StoreMixin):
     """
 
     TCP_STORE_HOST_RANK = 0
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict[str, Any]) -> None:
+        """ValueError naming the first keyword of ``kwargs`` that ``__init__`` would refuse
+        (unknown, or of the wrong type or range), so a Wrapper refuses it when it is built."""
+        for name, value in kwargs.items():
+            rule = _KWARG_RULES.get(name)
+            if rule is None:
+                raise ValueError(f"store_kwargs: {cls.__name__} has no keyword {name!r}; "
+                                 f"expected one of {', '.join(sorted(_KWARG_RULES))}")
+            expected, ok = rule
+            if not ok(value):
+                raise ValueError(f"store_kwargs[{name!r}]={value!r} ({type(value).__name__}): expected {expected}")
 
     def __init__(
         self,
@@ -125,6 +139,26 @@ class TCPStore(dist.TCPStore, StoreMixin):
         return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
 
 
+def _int_in(low: int, high: Optional[int] = None) -> Any:
+    return lambda v: type(v) is int and v >= low and (high is None or v <= high)
+
+
+# TCPStore's keywords: (what is expected, the check). None means "from the environment".
+_KWARG_RULES: dict[str, tuple[str, Any]] = {
+    "host_name": ("a host name (str) or None", lambda v: v is None or (isinstance(v, str) and v != "")),
+    "port": ("a TCP port (int in 1..65535) or None", lambda v: v is None or _int_in(1, 65535)(v)),
+    "world_size": ("an int >= 1 or None", lambda v: v is None or _int_in(1)(v)),
+    "timeout": ("a datetime.timedelta > 0", lambda v: isinstance(v, datetime.timedelta) and v.total_seconds() > 0),
+    "wait_for_workers": ("True or False", lambda v: isinstance(v, bool)),
+    "multi_tenant": ("True or False", lambda v: isinstance(v, bool)),
+    "use_libuv": ("True or False", lambda v: isinstance(v, bool)),
+    "tcp_store_host_rank": ("an initial rank (int >= 0) or None", lambda v: v is None or _int_in(0)(v)),
+    "host_process": ("True or False", lambda v: isinstance(v, bool)),
+    "host_idle_timeout_s": ("a number of seconds > 0",
+                            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+}
+
+
 class FileStore(dist.FileStore, StoreMixin):
     """torch's FileStore, for jobs on a single host (a path every rank can open)."""
 
@@ -144,6 +178,21 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
         self.base_store = store
         self.iteration = iteration
         super().__init__(f"_inprocess_{iteration}", store)
+
+
+def check_store_kwargs(store_factory: Any, store_kwargs: dict[str, Any]) -> None:
+    """Refuse, when the Wrapper is built, ``store_kwargs`` that ``store_factory`` cannot take."""
+    check = getattr(store_factory, "check_kwargs", None)
+    if check is not None:
+        check(store_kwargs)
+        return
+    try:
+        inspect.signature(store_factory).bind_partial(**store_kwargs)
+    except TypeError as e:
+        raise ValueError(f"store_kwargs={store_kwargs!r} for {getattr(store_factory, '__name__', store_factory)}: "
+                         f"{e}") from None
+    except ValueError:
+        pass  # no signature to check against (a builtin): the factory says at call time
 
 
 def clone(store: Any, store_factory: Any, store_kwargs: dict[str, Any]) -> dist.Store:

@@ -148,6 +148,7 @@ class Wrapper:
         self.node_agent = node_agent
         self.store_factory = check_factory("store_factory", store_factory)
         self.store_kwargs = check_kwargs("store_kwargs", store_kwargs)
+        store_mod.check_store_kwargs(self.store_factory, self.store_kwargs)
         for name, hook in (
             ("initialize", initialize),
             ("abort", abort),
