@@ -17,5 +17,6 @@ PYBIND11_MODULE(_native, m) {
   b::register_killer(m);
   b::register_node_board(m);
   b::register_watchdog(m);
+  b::register_gpu(m);
   b::register_testing(m);
 }
