@@ -25,9 +25,11 @@ struct ncclComm {
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
-static int g_group_depth;
-static struct ncclComm* g_pending[64];
-static int g_pending_count;
+/* Group state is per thread, as in NCCL: a thread stuck inside a group does
+ * not hold the groups of other threads. */
+static __thread int g_group_depth;
+static __thread struct ncclComm* g_pending[64];
+static __thread int g_pending_count;
 static long g_group_ends;
 
 static int mode_is(const char* m) {
