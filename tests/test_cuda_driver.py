@@ -229,9 +229,10 @@ def test_leave_for_lost_context_exits_with_the_documented_status() -> None:
     code = (
         "from inprocess.gpu import CudaContextLost, leave_for_lost_context\n"
         "import atexit; atexit.register(lambda: print('atexit ran'))\n"
-        "leave_for_lost_context(CudaContextLost('illegal address', 700))\n"
+        "leave_for_lost_context(CudaContextLost('illegal address', 700), lambda: print('left the job', flush=True))\n"
     )
     result = run_python(code)
     assert result.returncode == EXIT_CODE_CONTEXT_LOST, result.stderr
+    assert "left the job" in result.stdout  # the restart loop's leave step ran first
     assert "atexit ran" not in result.stdout  # no exit machinery that could touch the lost context
     assert "CUDA context lost" in result.stderr or result.stderr == ""

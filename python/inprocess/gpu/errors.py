@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn, Optional
 
 from ..exception import HealthCheckError, RestartError
 
@@ -54,12 +54,21 @@ class NcclAbortTimeout(RestartError):
     timeout) takes over."""
 
 
-def leave_for_lost_context(error: BaseException) -> NoReturn:
+def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], object]] = None) -> NoReturn:
     """Ends the process with :data:`EXIT_CODE_CONTEXT_LOST`, without running
     Python's exit machinery: atexit handlers and finalizers would call into
     the lost context (torch's CUDA caching allocator frees its memory at
-    exit) and can hang there."""
+    exit) and can hang there.
+
+    `leave` runs first: the restart loop's own way of leaving the job (count
+    this rank out in the store), as before exit code 75. Its exceptions are
+    logged; the process exits whatever happens."""
     log.error("CUDA context lost (%s): this rank leaves the job (exit code %d)", error, EXIT_CODE_CONTEXT_LOST)
+    if leave is not None:
+        try:
+            leave()
+        except BaseException as e:  # the exit below must happen regardless
+            log.error("leaving the job before exit %d failed: %s", EXIT_CODE_CONTEXT_LOST, e)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
