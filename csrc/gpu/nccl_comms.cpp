@@ -95,8 +95,10 @@ NcclOutcome NcclLibrary::run(size_t count, int64_t timeout_ns, const char* what,
   auto state = std::make_shared<JobState>();
   state->outcome.results.assign(count, -1);
   std::shared_ptr<Api> api = api_;
-  const bool finished =
-      worker_.run([state, api, deadline, body] { body(*api, *state, deadline); }, std::max<int64_t>(timeout_ns, 0));
+  // The grace lets a job that watches the deadline itself (revoke's wait for
+  // quiescence) report how it ended instead of being abandoned at the same instant.
+  const bool finished = worker_.run([state, api, deadline, body] { body(*api, *state, deadline); },
+                                    add_saturated(std::max<int64_t>(timeout_ns, 0), kReportGraceNs));
   NcclOutcome out;
   if (finished) {
     out = state->outcome;

@@ -32,6 +32,8 @@ struct NcclOutcome {
 class NcclLibrary {
  public:
   static constexpr const char* kLoadedPrefix = "libnccl.so";
+  // Added to a timeout before a call is abandoned (see NcclLibrary::run).
+  static constexpr int64_t kReportGraceNs = 20'000'000;
 
   // The libnccl already loaded in this process, or nullptr when none is.
   static std::shared_ptr<NcclLibrary> find_loaded();
