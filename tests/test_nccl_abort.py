@@ -221,6 +221,7 @@ def test_release_revokes_then_lets_torch_abort(nccl: _native.NcclLibrary, fakes:
         report = nccl_abort.release(backends, 5.0)
         comms.join()
         assert report.revoked and report.pointers == 2 and report.torch_aborted == 3
+        assert report.async_errors == [0, 0]
         assert len(comms.released) == 2 and all(b.aborted.is_set() for b in backends)
         assert [comms.state(i) for i in range(2)] == [2, 2]  # torch, not us, frees them
     finally:

@@ -45,6 +45,7 @@ class NcclRelease:
 
     backends: int = 0
     pointers: int = 0
+    async_errors: List[int] = field(default_factory=list)  # ncclResult_t per pointer, read before the revoke
     revoked: bool = False
     revoke_status: Optional[_native.GpuStatus] = None
     torch_aborted: int = 0
@@ -78,8 +79,16 @@ def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> Ncc
     report.pointers = len(pointers)
     if pointers:
         library, reason = libraries.nccl()
+        if library is not None:
+            # What NCCL saw (a peer gone: ncclRemoteError), for the log.
+            seen = library.async_errors(pointers, int(timeout * 1e9))
+            if seen.status == _native.GpuStatus.DONE:
+                report.async_errors = list(seen.results)
+                for ptr, error in zip(pointers, seen.results, strict=True):
+                    if error not in (0, 7):  # ncclSuccess, ncclInProgress
+                        log.info("NCCL communicator %#x: async error %s", ptr, library.error_string(error))
         if library is not None and library.has_revoke:
-            outcome = library.revoke(pointers, int(timeout * 1e9))
+            outcome = library.revoke(pointers, int(max(timeout - (time.monotonic() - started), 0.0) * 1e9))
             report.revoke_status = outcome.status
             report.revoked = outcome.status == _native.GpuStatus.DONE
             if outcome.status == _native.GpuStatus.TIMED_OUT:
