@@ -104,7 +104,9 @@ class AbortTorchDistributed(Abort):
 
 
 def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
-    """The backends of `group` that must be aborted (all but gloo's)."""
+    """The backend of `group` that must be aborted: its CUDA backend
+    (ProcessGroupNCCL, whose ``_comm_ptr()`` the revoke needs), else the
+    group itself; nothing for a gloo-only group."""
     try:
         import torch.distributed as dist
 
@@ -113,11 +115,11 @@ def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
         names = ""
     if "gloo" in names and "nccl" not in names:
         return []
-    if "gloo" in names:
-        # Mixed "cpu:gloo,cuda:nccl": abort the NCCL side only.
-        try:
-            return [group._get_backend(torch.device("cuda"))]  # type: ignore[attr-defined]
-        except Exception as e:
+    try:
+        # Mixed "cpu:gloo,cuda:nccl" too: the NCCL side only.
+        return [group._get_backend(torch.device("cuda"))]  # type: ignore[attr-defined]
+    except Exception as e:
+        if "gloo" in names:
             log.debug("no NCCL backend in %s: %s", group, e)
             return []
-    return [group]
+        return [group]
