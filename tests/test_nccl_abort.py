@@ -109,6 +109,25 @@ def test_grouped_abort_releases_every_blocked_collective(nccl: _native.NcclLibra
 
 
 @pytest.mark.timeout(30)
+def test_abort_is_grouped_only_where_nccl_takes_it(
+    nccl: _native.NcclLibrary, fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The version is read when the library object is made: a second object
+    # over the same loaded copy sees the fake's answer for 2.21.5.
+    monkeypatch.setenv("FAKE_NCCL_VERSION", "22105")
+    old = _native.NcclLibrary.open(fakes["nccl"])
+    assert old.version == 22105
+    comms = FakeComms(fakes["nccl"], 2)
+    try:
+        groups = counter(fakes["nccl"], "fake_nccl_group_ends")
+        out = old.abort(comms.pointers, True, S)
+        assert out.status == _native.GpuStatus.DONE and [comms.state(i) & 1 for i in range(2)] == [1, 1]
+        assert counter(fakes["nccl"], "fake_nccl_group_ends") == groups  # one by one, no group
+    finally:
+        comms.free()
+
+
+@pytest.mark.timeout(30)
 def test_hung_abort_returns_at_its_deadline(
     nccl: _native.NcclLibrary, fakes: Fakes, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,6 +20,10 @@ constexpr int version_code(int major, int minor, int patch) { return major * 100
 // The first NCCL with ncclCommRevoke. It is looked up by symbol; the version
 // only goes into messages.
 constexpr int kRevokeVersion = version_code(2, 28, 7);
+// NCCL 2.21 and older do not take ncclCommAbort inside a group (torch's
+// ProcessGroupNCCL began grouping its aborts once past 2.21); there the
+// communicators are aborted one after the other.
+constexpr int kGroupAbortVersion = version_code(2, 22, 0);
 
 // X(symbol, function type): required.
 #define INPROCESS_NCCL_FUNCTIONS(X)                                  \

@@ -112,6 +112,7 @@ NcclOutcome NcclLibrary::run(size_t count, int64_t timeout_ns, const char* what,
 }
 
 NcclOutcome NcclLibrary::abort(const std::vector<uint64_t>& comms, bool grouped, int64_t timeout_ns) {
+  grouped = grouped && version_ >= kGroupAbortVersion;
   return run(comms.size(), timeout_ns, "ncclCommAbort", [comms, grouped](const Api& api, JobState& s, int64_t) {
     NcclOutcome& out = s.outcome;
     ncclResult_t r = kSuccess;

@@ -52,7 +52,9 @@ class NcclLibrary {
   std::vector<std::pair<std::string, bool>> symbols() const;
 
   // ncclCommAbort of each communicator; `grouped`: between ncclGroupStart and
-  // ncclGroupEnd, so that NCCL tears them down together. The pointers are
+  // ncclGroupEnd, so that NCCL tears them down together (aborting one by one
+  // can hang while an operation on another still waits for it), where the
+  // NCCL takes aborts in a group (2.22 and later; one by one before). The pointers are
   // freed by NCCL: their owner must not use them again.
   NcclOutcome abort(const std::vector<uint64_t>& comms, bool grouped, int64_t timeout_ns);
   // ncclCommRevoke of each, then until none reports ncclInProgress: in-flight
