@@ -132,11 +132,6 @@ void HeartbeatPage::stamp_auto() noexcept {
   page_->auto_progress_ns.store(monotonic_ns(), std::memory_order_release);
 }
 
-void HeartbeatPage::set_iteration(int64_t iteration) noexcept {
-  if (page_ == nullptr) return;
-  page_->iteration.store(iteration, std::memory_order_release);
-}
-
 void HeartbeatPage::set_phase(Phase phase) noexcept {
   if (page_ == nullptr) return;
   page_->phase_since_ns.store(monotonic_ns(), std::memory_order_relaxed);

@@ -89,7 +89,6 @@ class HeartbeatPage {
   void ping() noexcept;
   // Automatic progress: stamped when the main thread ran Python bytecode.
   void stamp_auto() noexcept;
-  void set_iteration(int64_t iteration) noexcept;
   void set_phase(Phase phase) noexcept;
   void set_timeouts(int64_t soft_ns, int64_t hard_ns) noexcept;
   void set_flag(uint32_t flag, bool on) noexcept;

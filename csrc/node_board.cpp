@@ -535,11 +535,4 @@ int NodeBoard::wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, 
   }));
 }
 
-int64_t NodeBoard::beat() {
-  // Relaxed: the count is the whole message; it orders nothing else.
-  return mapping()->header->agent_beats.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
-int64_t NodeBoard::beats() const { return mapping()->header->agent_beats.load(std::memory_order_relaxed); }
-
 }  // namespace inprocess

@@ -23,8 +23,9 @@
 
 namespace inprocess {
 
-constexpr uint64_t kBoardMagic = 0x696e626f61726401ULL;  // "inboard" + layout version 1
-constexpr uint32_t kBoardVersion = 1;
+constexpr uint64_t kBoardMagic = 0x696e626f61726402ULL;  // "inboard" + layout version 2
+// Version 2 dropped the agent's heartbeat counter (nothing read it).
+constexpr uint32_t kBoardVersion = 2;
 
 // Fixed binary layout of the board's first bytes (design principle 5: no
 // pickle). The creator writes the plain fields before anyone can map the
@@ -41,7 +42,6 @@ struct BoardHeader {
   std::atomic<uint32_t> arrival;          // futex: bumped by every arrival (and by close)
   uint32_t reserved;
   std::atomic<int64_t> event;             // -1, else max over posts of 2 * iteration + complete
-  std::atomic<int64_t> agent_beats;       // the agent's heartbeat counter
   std::atomic<uint64_t> decision_seq;     // seqlock over the decision: odd while a writer is inside
   std::atomic<int64_t> decision_barrier;  // -1 until a decision is posted
   std::atomic<int64_t> decision_length;   // bytes, or kDecisionOverflow
@@ -61,7 +61,7 @@ struct BoardSlot {
 
 static_assert(std::is_standard_layout_v<BoardHeader> && std::is_standard_layout_v<BoardSlot>,
               "the board layout is a binary format");
-static_assert(sizeof(BoardHeader) == 80 && sizeof(BoardSlot) == 32, "the board layout must not drift");
+static_assert(sizeof(BoardHeader) == 72 && sizeof(BoardSlot) == 32, "the board layout must not drift");
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == sizeof(uint32_t),
               "a futex word must be a plain 32-bit word");
 static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
@@ -176,9 +176,6 @@ class NodeBoard {
   // Until `slot` leads `barrier` (kLeader, checked first) or the posted
   // decision is for `barrier` or later (kDecided); kTimeout; kClosed.
   int wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, bool return_on_signal = false) const;
-
-  int64_t beat();  // the agent's heartbeat: returns the new count
-  int64_t beats() const;
 
   // The mapping and the views into it; shared with every wait in flight.
   struct Mapping;

@@ -25,7 +25,21 @@ from .exception import (
 )
 from .state import FrozenState, Mode, State
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    # One source, pyproject.toml: the installed metadata, else the version the
+    # build compiled into the extension (a source tree on sys.path).
+    from importlib import metadata
+
+    try:
+        return metadata.version("inprocess")
+    except metadata.PackageNotFoundError:
+        from ._native import __version__ as native_version
+
+        return native_version
+
+
+__version__ = _version()
 
 _LAZY_ATTRIBUTES = {
     "CallWrapper": "call_wrapper",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 from .engine import pg_tracker
+from .gpu import flight_recorder, nccl_abort
 from .state import FrozenState
 
 log = logging.getLogger("inprocess")
@@ -29,7 +31,7 @@ class Abort(abc.ABC):
 class AbortTorchDistributed(Abort):
     """Aborts and destroys every torch.distributed process group.
 
-    NCCL (and any non-gloo) backends are aborted with their ``abort()``. Gloo
+    NCCL (and any non-gloo) backends are aborted (see below). Gloo
     backends are not: in torch 2.13 ``ProcessGroupGloo.abort()`` stops the
     group's worker threads, so a work still queued never completes and a
     waiter (DDP's ``Reducer::finalize_backward``) blocks forever (seen here).
@@ -42,7 +44,40 @@ class AbortTorchDistributed(Abort):
     restart trigger's thread, while the main thread is still inside DDP's
     backward, left a bucket's future that never completed (seen here about
     once in ten restarts).
+
+    NCCL backends are released within ``nccl_timeout`` (see
+    :mod:`inprocess.gpu.nccl_abort`): revoked by pointer first where the
+    loaded NCCL has ``ncclCommRevoke``, then aborted by torch on a thread of
+    their own. An abort still running at the deadline raises
+    :class:`~inprocess.gpu.NcclAbortTimeout` instead of hanging the restart;
+    the rank then leaves the job.
+
+    ``torch_fr_trace_path`` (as in NVRx 0.5+): before aborting, torch's NCCL
+    flight recorder is written there (``{rank}`` and ``{iteration}`` are filled
+    in), bounded by ``fr_timeout``; a dump that fails or hangs is logged and
+    the abort goes on.
     """
+
+    def __init__(
+        self,
+        torch_fr_trace_path: Optional[str] = None,
+        nccl_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        fr_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+        revoke: bool = True,
+    ):
+        values: Dict[str, object] = {"nccl_timeout": nccl_timeout, "fr_timeout": fr_timeout}
+        for name, value in values.items():
+            if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
+                raise ValueError(f"{name}={value!r}: expected a positive datetime.timedelta")
+        if torch_fr_trace_path is not None:
+            path: object = torch_fr_trace_path
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"torch_fr_trace_path={torch_fr_trace_path!r}: expected a non-empty str or None")
+            flight_recorder.trace_path(torch_fr_trace_path, 0, 0)  # a bad template fails here, not mid-restart
+        self.torch_fr_trace_path = torch_fr_trace_path
+        self.nccl_timeout = nccl_timeout
+        self.fr_timeout = fr_timeout
+        self.revoke = revoke
 
     def __call__(self, state: FrozenState) -> FrozenState:
         try:
@@ -52,17 +87,26 @@ class AbortTorchDistributed(Abort):
             return state
         if not dist.is_available():
             return state
+        if self.torch_fr_trace_path is not None:
+            path = flight_recorder.trace_path(self.torch_fr_trace_path, state.initial_rank, state.iteration)
+            flight_recorder.dump(path, self.fr_timeout.total_seconds())
         released = pg_tracker.release_connections()
         if dist.is_initialized():
             from torch.distributed import distributed_c10d as c10d
 
-            for group in list(c10d._world.pg_map.keys()):
-                _abort_non_gloo_backends(group, torch)
+            backends = [b for g in list(c10d._world.pg_map.keys()) for b in _non_gloo_backends(g, torch)]
+            if backends:
+                report = nccl_abort.release(backends, self.nccl_timeout.total_seconds(), self.revoke)
+                for error in report.errors:  # a communicator already broken by the fault
+                    log.debug("NCCL release: %s", error)
         log.debug("aborted torch.distributed (%d gloo connections shut down)", released)
         return state
 
 
-def _abort_non_gloo_backends(group: object, torch: object) -> None:
+def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
+    """The backend of `group` that must be aborted: its CUDA backend
+    (ProcessGroupNCCL, whose ``_comm_ptr()`` the revoke needs), else the
+    group itself; nothing for a gloo-only group."""
     try:
         import torch.distributed as dist
 
@@ -70,12 +114,12 @@ def _abort_non_gloo_backends(group: object, torch: object) -> None:
     except Exception:
         names = ""
     if "gloo" in names and "nccl" not in names:
-        return
+        return []
     try:
+        # Mixed "cpu:gloo,cuda:nccl" too: the NCCL side only.
+        return [group._get_backend(torch.device("cuda"))]  # type: ignore[attr-defined]
+    except Exception as e:
         if "gloo" in names:
-            # Mixed "cpu:gloo,cuda:nccl": abort the NCCL side only.
-            group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
-        else:
-            group.abort()  # type: ignore[attr-defined]
-    except Exception as e:  # a communicator already broken by the fault
-        log.debug("abort of %s failed: %s", group, e)
+            log.debug("no NCCL backend in %s: %s", group, e)
+            return []
+        return [group]

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional
+import datetime
+import logging
+import pathlib
+import time
+from typing import Dict, List, Optional, Tuple
 
-from .exception import HealthCheckError
+from . import _native
+from .exception import HealthCheckError, TimeoutError
+from .gpu import device, libraries
+from .gpu.bounded import call_within
+from .gpu.errors import CudaContextLost, GpuUnavailable, GpuUnhealthy
 from .state import FrozenState
+
+log = logging.getLogger("inprocess")
 
 
 class HealthCheck(abc.ABC):
@@ -30,9 +40,8 @@ class FaultCounter(HealthCheck):
     """
 
     def __init__(self, max_rank_faults: Optional[int] = None):
-        if max_rank_faults is not None and (
-            not isinstance(max_rank_faults, int) or isinstance(max_rank_faults, bool) or max_rank_faults < 0
-        ):
+        given: object = max_rank_faults
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
             raise ValueError(f"max_rank_faults={max_rank_faults!r}: expected an int >= 0 or None")
         self.max_rank_faults = max_rank_faults
         self.faults = 0
@@ -45,4 +54,265 @@ class FaultCounter(HealthCheck):
                 f"initial rank {state.initial_rank} raised {self.faults} faults, "
                 f"more than max_rank_faults={self.max_rank_faults}"
             )
+        return state
+
+
+# ---------------------------------------------------------------------------
+# GPU checks. Each is bounded by a deadline (design principle 7): a hung
+# driver or NVML call fails the check instead of hanging the restart. Where
+# the GPU, the driver or NVML is missing, each says so and, by its
+# ``on_unavailable``, skips (logs at INFO and passes) or fails (raises
+# GpuUnavailable). LOCAL_RANK selects the device, as in NVRx.
+
+_ON_UNAVAILABLE = ("skip", "fail")
+
+
+def _check_on_unavailable(value: str) -> str:
+    if value not in _ON_UNAVAILABLE:
+        raise ValueError(f"on_unavailable={value!r}: expected one of {_ON_UNAVAILABLE}")
+    return value
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive datetime.timedelta")
+    return value.total_seconds()
+
+
+class _GpuCheck(HealthCheck):
+    """What the GPU checks share: the device, the deadline, unavailability."""
+
+    def __init__(self, timeout: datetime.timedelta, device_index: Optional[int], on_unavailable: str):
+        self.timeout = timeout
+        self._timeout_s = _positive_seconds("timeout", timeout)
+        if device_index is not None:
+            device.cuda_ordinal(device_index)  # validates
+        self.device_index = device_index
+        self.on_unavailable = _check_on_unavailable(on_unavailable)
+
+    def _unavailable(self, state: FrozenState, reason: str) -> FrozenState:
+        message = f"{type(self).__name__} unavailable: {reason}"
+        if self.on_unavailable == "fail":
+            raise GpuUnavailable(message)
+        log.info("%s; skipped", message)
+        return state
+
+    def _nvml_report(self) -> Tuple[Optional[_native.NvmlReport], str]:
+        library, reason = libraries.nvml()
+        if library is None:
+            return None, reason
+        ordinal = device.cuda_ordinal(self.device_index)
+        bus_id = ""
+        driver, _ = libraries.cuda_driver()
+        if driver is not None:
+            found = driver.pci_bus_id(ordinal, int(self._timeout_s * 1e9))
+            if found.status == _native.GpuStatus.DONE:
+                bus_id = found.text
+        report = library.query(device.nvml_identifier(ordinal, bus_id), int(self._timeout_s * 1e9))
+        if report.status == _native.GpuStatus.TIMED_OUT:
+            raise TimeoutError(f"{type(self).__name__}: NVML did not answer within {self._timeout_s:g}s")
+        if report.gpu_lost:
+            raise CudaContextLost(f"GPU {ordinal} fell off the bus or is inaccessible ({report.step})")
+        if report.status != _native.GpuStatus.DONE:
+            raise GpuUnhealthy(f"GPU {ordinal}: {report.step} failed: {report.error_string} ({report.error})")
+        return report, ""
+
+
+class CudaHealthCheck(_GpuCheck):
+    """Checks that this process's CUDA context still works (NVRx's name).
+
+    Synchronises the device's primary context (every kernel issued must
+    finish) within ``timeout``, then runs a probe: allocate, write, copy back,
+    compare, free. A sync or probe still running at the deadline raises
+    :class:`~inprocess.exception.TimeoutError`; a sticky CUDA error (illegal
+    address, launch failure, uncorrectable ECC, ...) or data read back wrong
+    raises :class:`~inprocess.gpu.CudaContextLost` (the rank must leave with
+    exit status 76); another CUDA error raises ``HealthCheckError``.
+
+    A device whose primary context was never made (CUDA not used yet) has
+    nothing to check: the check passes without creating a context.
+    """
+
+    def __init__(
+        self,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        device_index: Optional[int] = None,
+        probe_bytes: int = 1 << 20,
+        on_unavailable: str = "skip",
+    ):
+        super().__init__(timeout, device_index, on_unavailable)
+        size: object = probe_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or not 4 <= size <= 1 << 30:
+            raise ValueError(f"probe_bytes={probe_bytes!r}: expected an int in [4, 2**30]")
+        self.probe_bytes = probe_bytes
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        driver, reason = libraries.cuda_driver()
+        if driver is None:
+            return self._unavailable(state, reason)
+        ordinal = device.cuda_ordinal(self.device_index)
+        deadline = time.monotonic() + self._timeout_s
+        synced = driver.synchronize_context(ordinal, int(self._timeout_s * 1e9))
+        if synced.status == _native.GpuStatus.NO_CONTEXT:
+            log.debug("CudaHealthCheck: device %d has no active context; nothing to check", ordinal)
+            return state
+        self._raise_for(synced, ordinal)
+        left = max(deadline - time.monotonic(), 0.0)
+        self._raise_for(driver.probe(ordinal, self.probe_bytes, int(left * 1e9)), ordinal)
+        return state
+
+    def _raise_for(self, outcome: _native.CudaOutcome, ordinal: int) -> None:
+        status = outcome.status
+        if status in (_native.GpuStatus.DONE, _native.GpuStatus.NO_CONTEXT):
+            return
+        what = f"CUDA device {ordinal}, {outcome.step}"
+        if status == _native.GpuStatus.TIMED_OUT:
+            raise TimeoutError(f"{what}: not done within {self._timeout_s:g}s")
+        if outcome.context_lost:
+            detail = outcome.error_name or "data read back differs from what was written"
+            raise CudaContextLost(f"{what}: {detail}", outcome.code, outcome.error_name)
+        raise HealthCheckError(f"{what}: {outcome.error_name} ({outcome.code})")
+
+
+class NvmlHealthCheck(_GpuCheck):
+    """Asks NVML whether this rank's GPU can be trusted. Fails on volatile
+    uncorrectable ECC errors, a row remap pending or failed, pages pending
+    retirement (``GpuUnhealthy``), and a GPU that fell off the bus
+    (``CudaContextLost``). A counter the device does not report is not
+    checked. Retired pages as such are not a failure (a GPU collects a few in
+    its life); pages still waiting for retirement need a reset."""
+
+    def __init__(
+        self,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+        device_index: Optional[int] = None,
+        on_unavailable: str = "skip",
+    ):
+        super().__init__(timeout, device_index, on_unavailable)
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        report, reason = self._nvml_report()
+        if report is None:
+            return self._unavailable(state, reason)
+        problems = []
+        if report.ecc_volatile_uncorrected > 0:
+            problems.append(f"{report.ecc_volatile_uncorrected} volatile uncorrectable ECC errors")
+        if report.remapped_rows_pending > 0:
+            problems.append("a row remap is pending (needs a GPU reset)")
+        if report.remapped_rows_failure > 0:
+            problems.append("a row remap failed")
+        if report.retired_pages_pending > 0:
+            problems.append("pages are pending retirement (needs a GPU reset)")
+        if problems:
+            raise GpuUnhealthy(f"GPU {device.cuda_ordinal(self.device_index)}: " + "; ".join(problems))
+        return state
+
+
+class ChainedGPUHealthCheck(_GpuCheck):
+    """NVRx's GPU check: fails when the driver reports a recovery action for
+    this GPU (reset, node reboot, drain; NVML's GPU recovery action field,
+    driver 570 or later), or the GPU fell off the bus. Unavailable on older
+    drivers."""
+
+    def __init__(
+        self,
+        device_index: Optional[int] = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+        on_unavailable: str = "skip",
+    ):
+        super().__init__(timeout, device_index, on_unavailable)
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        report, reason = self._nvml_report()
+        if report is None:
+            return self._unavailable(state, reason)
+        if report.recovery_action < 0:
+            return self._unavailable(state, "the driver reports no GPU recovery action (driver 570 or later)")
+        if report.recovery_action != 0:
+            raise GpuUnhealthy(
+                f"GPU {device.cuda_ordinal(self.device_index)}: the driver asks for recovery action "
+                f"{report.recovery_action} (1 reset, 2 node reboot, 3 drain P2P, 4 drain and reset)"
+            )
+        return state
+
+
+class ChainedNVLHealthCheck(_GpuCheck):
+    """NVRx's NVLink check: the NVLinks of this GPU that were active when the
+    check was first run (its baseline) must still be active. Where NVRx only
+    logs a failure, this one raises ``GpuUnhealthy``; wrap it to ignore it.
+    Unavailable on a GPU without NVLink."""
+
+    def __init__(
+        self,
+        device_index: Optional[int] = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+        on_unavailable: str = "skip",
+    ):
+        super().__init__(timeout, device_index, on_unavailable)
+        self.baseline: Optional[List[int]] = None
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        report, reason = self._nvml_report()
+        if report is None:
+            return self._unavailable(state, reason)
+        links = list(report.nvlinks)
+        if not any(state_ == 1 for state_ in links):
+            if self.baseline is None:
+                return self._unavailable(state, "no active NVLink on this GPU")
+        if self.baseline is None:
+            self.baseline = links
+            return state
+        down = [i for i, was in enumerate(self.baseline) if was == 1 and (i >= len(links) or links[i] != 1)]
+        if down:
+            raise GpuUnhealthy(f"GPU {device.cuda_ordinal(self.device_index)}: NVLinks {down} went down")
+        return state
+
+
+class ChainedNicHealthCheck(_GpuCheck):
+    """NVRx's NIC check: no InfiniBand port's ``link_downed`` counter
+    (``/sys/class/infiniband/<nic>/ports/<port>/counters/link_downed``) has
+    grown since the check was made. ``nics`` limits it to some devices (all
+    by default). Unavailable without InfiniBand devices."""
+
+    def __init__(
+        self,
+        device_index: Optional[int] = None,
+        nics: Optional[List[str]] = None,
+        sysfs_root: str = "/sys/class/infiniband",
+        timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+        on_unavailable: str = "skip",
+    ):
+        super().__init__(timeout, device_index, on_unavailable)
+        self.nics = list(nics) if nics is not None else None
+        self.sysfs_root = sysfs_root
+        self.baseline = self._read()
+
+    def _read(self) -> Dict[str, int]:
+        counters: Dict[str, int] = {}
+        root = pathlib.Path(self.sysfs_root)
+        if not root.is_dir():
+            return counters
+        for nic in sorted(p.name for p in root.iterdir()):
+            if self.nics is not None and nic not in self.nics:
+                continue
+            for port in sorted((root / nic / "ports").glob("*")):
+                counter = port / "counters" / "link_downed"
+                try:
+                    counters[f"{nic}/{port.name}"] = int(counter.read_text().strip())
+                except (OSError, ValueError):
+                    continue
+        return counters
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        result = call_within(self._read, self._timeout_s, "inprocess-nic-check")
+        if not result.finished:
+            raise TimeoutError(f"ChainedNicHealthCheck: sysfs not read within {self._timeout_s:g}s")
+        if result.error is not None:
+            raise result.error
+        now = result.value or {}
+        if not now and not self.baseline:
+            return self._unavailable(state, f"no InfiniBand port counters under {self.sysfs_root}")
+        grown = {port: now[port] - was for port, was in self.baseline.items() if now.get(port, was) > was}
+        if grown:
+            raise HealthCheckError(f"NIC link went down since the baseline: {grown}")
         return state

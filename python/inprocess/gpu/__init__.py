@@ -1,0 +1,31 @@
+"""The GPU side of inprocess: the CUDA driver, NCCL and NVML reached through
+the native extension's dlopen layer (no CUDA at build time, design principle 6).
+
+- :mod:`.errors`: the exceptions and the exit status of a rank whose CUDA
+  context is lost (design principle 9);
+- :mod:`.libraries`: opening the libraries once per process, with a clear
+  reason when one is unavailable;
+- :mod:`.device`: which device this rank uses (``LOCAL_RANK``);
+- :mod:`.nccl_abort`: releasing torch's NCCL communicators within a deadline;
+- :mod:`.flight_recorder`: dumping torch's NCCL flight recorder before an abort.
+
+The health checks built on them are in :mod:`inprocess.health_check`.
+"""
+
+from .errors import (
+    EXIT_CODE_CONTEXT_LOST,
+    CudaContextLost,
+    GpuUnavailable,
+    GpuUnhealthy,
+    NcclAbortTimeout,
+    leave_for_lost_context,
+)
+
+__all__ = [
+    "EXIT_CODE_CONTEXT_LOST",
+    "CudaContextLost",
+    "GpuUnavailable",
+    "GpuUnhealthy",
+    "NcclAbortTimeout",
+    "leave_for_lost_context",
+]

@@ -1,0 +1,77 @@
+"""What a GPU fault means for the rank, and the exit status that says it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, NoReturn, Optional
+
+from ..exception import HealthCheckError, RestartError
+
+log = logging.getLogger("inprocess")
+
+# Exit status of a rank whose CUDA context is lost (a sticky error: illegal
+# address, launch failure, uncorrectable ECC, ...; or a device that read back
+# other data than was written). The context cannot be repaired inside the
+# process, so the rank leaves and the outer launcher replaces the process
+# (design principle 9). 75 is the rank whose main thread could not be
+# released (inprocess.engine.trigger.EXIT_CODE_UNRELEASABLE).
+EXIT_CODE_CONTEXT_LOST = 76
+
+
+class GpuUnavailable(HealthCheckError):
+    """A GPU check cannot run here (no driver, no device, no library); raised
+    only by checks configured to fail rather than skip when unavailable."""
+
+
+class GpuUnhealthy(HealthCheckError):
+    """NVML or a probe says this GPU cannot be trusted (uncorrectable ECC
+    errors, a pending row remap or page retirement, a recovery action the
+    driver asks for, a link down). The rank is terminated; the device needs
+    attention outside the job."""
+
+
+class CudaContextLost(HealthCheckError):
+    """The CUDA context of this process cannot be used again. The rank must
+    leave the job with :data:`EXIT_CODE_CONTEXT_LOST` (see
+    :func:`leave_for_lost_context`); restarting in-process would only meet
+    the same error."""
+
+    exit_status = EXIT_CODE_CONTEXT_LOST
+
+    def __init__(self, message: str, code: int = 0, error_name: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.error_name = error_name
+
+
+class NcclAbortTimeout(RestartError):
+    """Releasing the NCCL communicators did not finish within its deadline.
+    The abort thread that is still inside NCCL is abandoned; the rank cannot
+    be trusted with another iteration, and its main thread may still be
+    blocked: the restart loop's escalation (exit 75, or the monitor's hard
+    timeout) takes over."""
+
+
+def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], object]] = None) -> NoReturn:
+    """Ends the process with :data:`EXIT_CODE_CONTEXT_LOST`, without running
+    Python's exit machinery: atexit handlers and finalizers would call into
+    the lost context (torch's CUDA caching allocator frees its memory at
+    exit) and can hang there.
+
+    `leave` runs first: the restart loop's own way of leaving the job (count
+    this rank out in the store), as before exit code 75. Its exceptions are
+    logged; the process exits whatever happens."""
+    log.error("CUDA context lost (%s): this rank leaves the job (exit code %d)", error, EXIT_CODE_CONTEXT_LOST)
+    if leave is not None:
+        try:
+            leave()
+        except BaseException as e:  # the exit below must happen regardless
+            log.error("leaving the job before exit %d failed: %s", EXIT_CODE_CONTEXT_LOST, e)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+    os._exit(EXIT_CODE_CONTEXT_LOST)

@@ -1,0 +1,90 @@
+"""Builds the fake GPU libraries (fake_cuda.c, fake_nccl.c, fake_nvml.c) once
+per test session, with the system's C compiler, into a temporary folder.
+
+Each fake is built under the file name the real library has (libcuda.so.1,
+libnccl.so.2, libnvidia-ml.so.1) in a folder of its own, so the loader's
+by-name logic sees what it would see on a GPU machine. Variants (a missing
+symbol, an NCCL without revoke) get folders of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+BUILD_TIMEOUT_S = 60
+
+# name: (source, file name, extra compiler flags)
+VARIANTS = {
+    "cuda": ("fake_cuda.c", "libcuda.so.1", []),
+    "cuda_no_stream_query": ("fake_cuda.c", "libcuda.so.1", ["-DFAKE_CUDA_OMIT_STREAM_QUERY"]),
+    "nccl": ("fake_nccl.c", "libnccl.so.2", []),
+    "nccl_no_revoke": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_NO_REVOKE"]),
+    "nccl_no_abort": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_OMIT_ABORT"]),
+    "nvml": ("fake_nvml.c", "libnvidia-ml.so.1", []),
+}
+
+
+@dataclass(frozen=True)
+class Fakes:
+    paths: Dict[str, str]
+
+    def __getitem__(self, name: str) -> str:
+        return self.paths[name]
+
+
+_built: Optional[Fakes] = None
+
+
+def build_fakes() -> Fakes:
+    """Compiles every variant once per process; skips the calling test when no
+    C compiler is available (the reason names what is missing)."""
+    global _built
+    if _built is not None:
+        return _built
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc) to build the fake GPU libraries")
+    root = pathlib.Path(tempfile.mkdtemp(prefix="inprocess-gpu-fakes-"))
+    atexit.register(shutil.rmtree, root, True)
+    paths = {}
+    for name, (source, file_name, flags) in VARIANTS.items():
+        folder = root / name
+        folder.mkdir()
+        out = folder / file_name
+        cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", *flags,
+               "-o", str(out), str(HERE / source), "-lpthread"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {name} failed:\n{' '.join(cmd)}\n{result.stderr}")
+        paths[name] = str(out)
+    _built = Fakes(paths)
+    return _built
+
+
+def counter(path: str, symbol: str) -> int:
+    """A counter the fake exports for tests (the library is already loaded by
+    the code under test; ctypes takes a reference to the same copy)."""
+    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_long
+    return int(fn())
+
+
+def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (a process without any libnccl
+    loaded yet); the child is reaped by subprocess.run even on timeout."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env)
