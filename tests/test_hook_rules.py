@@ -17,12 +17,10 @@ pytestmark = pytest.mark.timeout(120)
 FAULT_ON_2 = {"iteration": 0, "rank": 2, "step": 3, "kind": "exception"}
 
 
-def plan_with_hook(hook: str, kind: str = "exception", faults=(FAULT_ON_2,), iteration: int = 0) -> dict:
-    return {
-        "steps": 8,
-        "faults": list(faults),
-        "wrapper": {"raise_in_hook": {"hook": hook, "rank": 1, "iteration": iteration, "kind": kind}},
-    }
+def plan_with_hook(hook: str, kind: str = "exception", faults=(FAULT_ON_2,), iteration: int = 0,
+                   from_call: int = 1) -> dict:
+    target = {"hook": hook, "rank": 1, "iteration": iteration, "kind": kind, "from_call": from_call}
+    return {"steps": 8, "faults": list(faults), "wrapper": {"raise_in_hook": target}}
 
 
 def finished(res, ranks, iteration, world_size):
@@ -55,6 +53,18 @@ def test_recovery_hook_exception_terminates_the_rank(job, hook):
     # As in nvidia_resiliency_ext, a failed health check comes out as HealthCheckError (chained to the cause).
     expected = "HealthCheckError" if hook == "health_check" else "RuntimeError"
     assert log["exception"] == expected and f"injected {hook} failure" in log["message"]
+    finished(res, [0, 2, 3], iteration=1, world_size=3)
+    assert res.rank(0)["restarts"][0]["terminated"] == [1]
+
+
+@pytest.mark.parametrize("faults,from_call", [((), 1), ((FAULT_ON_2,), 2)], ids=["before_iteration", "after_a_fault"])
+def test_lost_cuda_context_in_health_check_ends_the_process_with_76(job, faults, from_call):
+    # Before an iteration (1st call) as after a fault (2nd call, the restart's check): no restart repairs a
+    # lost context, the rank leaves at once (counted out, so the others restart without waiting) and
+    # exits 76 for the launcher to replace the process.
+    res = job(plan_with_hook("health_check", kind="context_lost", faults=faults, from_call=from_call))
+    assert res.rank(1)["hook_calls"]["health_check"] == from_call
+    assert res.returncodes[1] == 76, res.describe()
     finished(res, [0, 2, 3], iteration=1, world_size=3)
     assert res.rank(0)["restarts"][0]["terminated"] == [1]
 

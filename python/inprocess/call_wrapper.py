@@ -38,6 +38,7 @@ from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
+from .gpu.errors import CudaContextLost, leave_for_lost_context
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -220,6 +221,8 @@ class CallWrapper:
                     value = fn(*args, **kwargs)
         except RankShouldRestart:
             return False, None
+        except LeaveJob:
+            raise
         except BaseException as e:
             self._fault_in_function(e)
             return False, None
@@ -267,6 +270,8 @@ class CallWrapper:
         self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
         try:
             self._check_health_before_iteration()
+        except LeaveJob:
+            raise
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
@@ -358,8 +363,14 @@ class CallWrapper:
 
     def _check_health_before_iteration(self) -> None:
         """``health_check`` also runs before every iteration, after ``initialize``, as in
-        nvidia_resiliency_ext: a failure there is a fault of this rank (the job restarts)."""
-        self._check_health()
+        nvidia_resiliency_ext: a failure there is a fault of this rank (the job restarts).
+        A lost CUDA context is not: no restart repairs it, the rank leaves at once."""
+        try:
+            self._check_health()
+        except HealthCheckError as e:
+            if _lost_context(e) is not None:
+                raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
+            raise
 
     def _check_health(self) -> None:
         """The ``health_check`` hook; an ``Exception`` comes out as a
@@ -462,6 +473,10 @@ class CallWrapper:
             except BaseException as e:
                 log.error("terminate hook raised %s: %s", type(e).__name__, e)
                 exc.__context__ = e
+        lost = _lost_context(exc)
+        if lost is not None:
+            # Counted out above; the process must go so the launcher replaces it (exit status 76).
+            leave_for_lost_context(lost)
         raise exc
 
     # -- entering and leaving the call -------------------------------------------
@@ -578,6 +593,18 @@ class CallWrapper:
         events = self._rt.events if self._rt is not None else None
         if events is not None:
             events.emit(kind, t_ns, **fields)
+
+
+def _lost_context(exc: BaseException) -> Optional[CudaContextLost]:
+    """The :class:`CudaContextLost` that ``exc`` is or was raised from, if any."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CudaContextLost):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _drop_frames(exc: BaseException) -> None:

@@ -115,9 +115,14 @@ def make_hooks(spec):
     def hook(state):
         hits = log.setdefault("hook_calls", {})
         hits[name] = hits.get(name, 0) + 1
-        if state.initial_rank == rank and state.iteration == iteration:
+        if state.initial_rank == rank and state.iteration == iteration and hits[name] >= target.get("from_call", 1):
             if exc_kind == "exception":
                 raise RuntimeError(f"injected {name} failure")
+            if exc_kind == "context_lost":
+                # The rank ends in os._exit(76): what the test reads is written now.
+                with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:
+                    json.dump(log, f)
+                raise inprocess.gpu.CudaContextLost(f"injected lost context in {name}", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
             raise SystemExit(7)
         if name == "abort":
             inprocess.abort.AbortTorchDistributed()(state)
