@@ -19,14 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inprocess import Compose
-from inprocess.control import protocol
+from inprocess import Compose, rank_assignment
 from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
+    EnvKey,
     FillGaps,
     FilterCountGroupedByKey,
+    HostnameKey,
     Layer,
     LayerFlag,
     MaxActiveWorldSize,
@@ -35,11 +36,11 @@ from inprocess.rank_assignment import (
     ShiftRanks,
     Topology,
     Tree,
+    check_composition,
     check_rank_assignment,
     key_gathering_leaves,
     run_assignment,
 )
-from inprocess.tree import EnvKey, HostnameKey, check_composition
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,7 +303,7 @@ def test_everything_lost(exact):
     m1, newly = decide(tree, m0, set(range(N)), 1, topo, exact)
     assert newly == set(range(N))
     assert m1.world_size == 0 and m1.active_world_size == 0
-    d = protocol.decide(tree, m0, set(range(N)), [], 1, 0, topo)
+    d = rank_assignment.decide(tree, m0, set(range(N)), [], 1, 0, topo)
     assert d.abort is None and d.membership.world_size == 0
 
 
@@ -371,7 +372,7 @@ def test_world_size_filter_bad_result_is_refused(returned):
     with pytest.raises(ValueError, match=f"returned {returned!r} for an active world size of 32"):
         decide(tree, Membership.all_active(N), set(), 0, topo)
     # Through the engine, the error ends the job with a clear message.
-    d = protocol.decide(tree, Membership.all_active(N), set(), [], 0, 0, topo)
+    d = rank_assignment.decide(tree, Membership.all_active(N), set(), [], 0, 0, topo)
     assert d.abort is not None and "world_size_filter" in d.abort
 
 

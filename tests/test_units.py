@@ -17,7 +17,7 @@ import torch.distributed as dist
 import inprocess
 from inprocess import _native
 from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
-from inprocess.control.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol, decide
+from inprocess.control.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol
 from inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
@@ -25,6 +25,7 @@ from inprocess.rank_assignment import (
     MaxActiveWorldSize,
     ShiftRanks,
     Topology,
+    decide,
     run_assignment,
 )
 

@@ -45,7 +45,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
-from .rank_assignment import Topology, key_gathering_leaves
+from .rank_assignment import Topology, decide, key_gathering_leaves
 from .state import FrozenState, Mode, State
 
 if TYPE_CHECKING:
@@ -402,9 +402,7 @@ class CallWrapper:
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         iteration = 0 if self._membership is None else self.state.iteration + 1
         previous = self._membership or Membership.all_active(self.state.initial_world_size)
-        return protocol.decide(
-            self._w.rank_assignment, previous, dead, faults, iteration, leader, self._read_topology()
-        )
+        return decide(self._w.rank_assignment, previous, dead, faults, iteration, leader, self._read_topology())
 
     def _read_topology(self) -> Topology:
         if not self._key_owners:
