@@ -1,26 +1,51 @@
-"""The base of every rank assignment: the hook, its context, and the keys gathered for it.
+"""The two kinds of rank assignment and their contexts.
 
-Unlike ``nvidia_resiliency_ext.inprocess``, where each rank runs the assignment
-on its own view, here the last rank to arrive at the restart barrier runs it
-once for the whole job and publishes the result, which every rank reads
-(design principle 3). A :class:`RankAssignment` therefore maps a whole
-:class:`~inprocess.control.membership.Membership` to the next one. The built-in
-classes keep that library's names and meaning, so configurations carry over;
-a custom subclass must be ported to the whole-table interface.
+* :class:`RankAssignment` is the hook as ``nvidia_resiliency_ext.inprocess``
+  defines it: ``__call__(ctx)`` with a :class:`RankAssignmentCtx` holding one
+  rank's ``state``, a ``store`` and the ``terminated_ranks`` (numbered by
+  ``rank``); it returns the context with that rank's next state.
+* :class:`~inprocess.rank_assignment.job.JobAssignment` decides for the whole
+  job at once: ``assign_job(ctx)`` with a :class:`JobAssignmentCtx` holding
+  every rank's row of the membership table. Every built-in assignment is one,
+  and each also keeps the per-rank ``__call__`` above.
 
 Per-rank facts that an assignment needs (a node name, a rack) are gathered
-once at the initial barrier from :meth:`RankAssignment.local_keys` and handed
-to the leader in :attr:`RankAssignmentCtx.topology`.
+once at the initial barrier from ``local_keys(state)`` and reach the job-wide
+form as :class:`Topology`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, TypeGuard
+from typing import Any, Optional, Sequence, TypeGuard
 
 from ..compose import leaves
 from ..control.membership import Membership
+from ..state import State
+
+
+@dataclasses.dataclass
+class RankAssignmentCtx:
+    """Inputs and outputs of a per-rank :class:`RankAssignment` (as there).
+
+    ``state``: the rank's state; ``store``: a distributed store;
+    ``terminated_ranks``: the ranks (numbered by ``State.rank``) that leave at
+    this restart. An assignment returns the context with the rank's next
+    ``state``; a renumbering one empties ``terminated_ranks``.
+    """
+
+    state: State
+    store: Any
+    terminated_ranks: set[int]
+
+
+class RankAssignment(abc.ABC):
+    """Base class of the ``rank_assignment`` hook: one rank's next state from its current one."""
+
+    @abc.abstractmethod
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        raise NotImplementedError
 
 
 class Topology:
@@ -40,6 +65,11 @@ class Topology:
     def empty(cls) -> "Topology":
         return cls((), ())
 
+    @classmethod
+    def from_table(cls, owners: Sequence[Any], table: Sequence[Sequence[Sequence[str]]]) -> "Topology":
+        """From what every rank published: ``table[initial_rank][owner_index]`` is a list of keys."""
+        return cls(owners, [[tuple(row[j]) for row in table] for j in range(len(owners))])
+
     def keys(self, owner: Any) -> list[tuple[str, ...]]:
         try:
             return self._columns[self._column_of[id(owner)]]
@@ -48,37 +78,30 @@ class Topology:
 
 
 @dataclasses.dataclass
-class RankAssignmentCtx:
-    """What a :class:`RankAssignment` reads and transforms.
+class JobAssignmentCtx:
+    """What a job-wide assignment reads and transforms: the next membership of the whole job.
 
-    ``membership`` starts as the previous iteration's table with
-    ``terminated_ranks`` (initial ranks lost in this restart) already marked
-    TERMINATED. An assignment may terminate more ranks (it adds them to
-    ``terminated_ranks``), deactivate or activate ranks and renumber them.
+    ``membership`` holds every initial rank's row (mode, rank, active rank) as
+    the previous steps left it; at the first decision every row is
+    ``INITIALIZED`` with ``rank`` equal to the initial rank.
+    ``terminated_ranks`` are the initial ranks leaving at this restart whose
+    rows are still in the table: a renumbering step (``ShiftRanks``,
+    ``FillGaps``, ``Tree``) terminates them and closes their gaps.
+    ``active_world_size`` is the active world size every rank's state carries
+    (None before the first activation); activation steps set it.
+    ``previous`` is the decision of the iteration that ended, untouched.
     """
 
     membership: Membership
     terminated_ranks: set[int]
+    active_world_size: Optional[int]
     iteration: int
     topology: Topology = dataclasses.field(default_factory=Topology.empty)
-    # The table of the iteration that ended, untouched (read-only): who held
-    # which rank before this restart.
     previous: Optional[Membership] = None
 
 
-class RankAssignment(abc.ABC):
-    """Base class of the ``rank_assignment`` hook."""
-
-    @abc.abstractmethod
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        raise NotImplementedError
-
-    # Subclasses that group ranks by a per-rank fact override this; it runs on
-    # every rank at the initial barrier with (initial_rank, initial_world_size).
-    local_keys: Optional[Callable[[int, int], tuple[str, ...]]] = None
-
-
 def key_gathering_leaves(rank_assignment: Any) -> list[Any]:
+    """The members of ``rank_assignment`` that need per-rank keys, in execution order."""
     return [leaf for leaf in leaves(rank_assignment) if getattr(leaf, "local_keys", None) is not None]
 
 

@@ -30,7 +30,8 @@ class Layer:
             spare) ranks is terminated whole.
         max_ranks: at most this many active ranks per domain of this layer;
             the rest are spares. ``None``: no bound.
-        key_or_fn: the grouping key (see the module docstring).
+        key_or_fn: the grouping key: a str, or a callable (state) -> str
+            (:mod:`inprocess.rank_assignment.keys`).
         flag: ``LayerFlag.RESERVE``, ``LayerFlag.BACKFILL``, both (``|``) or None.
     """
 

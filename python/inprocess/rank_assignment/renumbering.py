@@ -1,62 +1,106 @@
-"""Renumbering assignments: :class:`ShiftRanks` and :class:`FillGaps` close the gaps of lost ranks."""
+"""Renumbering assignments: :class:`ShiftRanks` and :class:`FillGaps` remove the ranks that
+leave and close the gaps in ``rank``.
+
+As there, they renumber ``rank`` and ``world_size`` only: ``active_rank``,
+``active_world_size`` and the mode are left for an activation step
+(``ActivateAllRanks``, ``MaxActiveWorldSize``, ``ActiveWorldSizeDivisibleBy``)
+to set from the new ranks, which therefore runs after them (it comes first in
+``Compose``). A rank that is itself in ``terminated_ranks`` is discarded
+(:class:`~inprocess.exception.RankDiscarded`).
+"""
 
 from __future__ import annotations
 
-from ..control.membership import ACTIVE, NONE, TERMINATED, Membership
-from .base import RankAssignment, RankAssignmentCtx
+import bisect
+import dataclasses
+
+from ..control.membership import TERMINATED, Membership
+from ..exception import RankDiscarded
+from .base import JobAssignmentCtx, RankAssignmentCtx
+from .job import JobAssignment
 
 
-def _renumber(membership: Membership, order: list[int], column: list[int]) -> None:
-    for new, r in enumerate(order):
-        column[r] = new
+def _discard_if_leaving(ctx: RankAssignmentCtx) -> None:
+    if ctx.state.rank in ctx.terminated_ranks:
+        raise RankDiscarded(
+            f"rank {ctx.state.rank} (initial rank {ctx.state.initial_rank}) is among "
+            f"terminated_ranks={sorted(ctx.terminated_ranks)}"
+        )
 
 
-class ShiftRanks(RankAssignment):
-    """Close the gaps left by terminated ranks by shifting later ranks down.
+def _remove_leaving(ctx: JobAssignmentCtx) -> Membership:
+    m = ctx.membership
+    m.terminate(ctx.terminated_ranks)
+    ctx.terminated_ranks = set()
+    return m
 
-    Relative order is kept; every rank after the first gap is renumbered. Both
-    numberings shift: ``rank`` among ranks in the job and ``active_rank``
-    among active ranks.
+
+class ShiftRanks(JobAssignment):
+    """Close the gaps left by the ranks that leave by shifting every later rank down.
+
+    Relative order is kept; every rank after the first gap is renumbered::
+
+        ranks 0 X 2 3 X X 6 7  ->  0 2 3 6 7   (2->1, 3->2, 6->3, 7->4)
     """
 
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        m = ctx.membership
-        alive = [r for r, mode in enumerate(m.mode) if mode != TERMINATED and m.rank[r] != NONE]
+    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
+        m = _remove_leaving(ctx)
+        alive = [r for r, mode in enumerate(m.mode) if mode != TERMINATED]
         alive.sort(key=m.rank.__getitem__)
-        # Ranks that never had a rank (a corrupted table) would be lost here: validate() catches that.
-        _renumber(m, alive, m.rank)
-        active = [r for r, mode in enumerate(m.mode) if mode == ACTIVE]
-        active.sort(key=lambda r: (m.active_rank[r] == NONE, m.active_rank[r], m.rank[r]))
-        _renumber(m, active, m.active_rank)
+        for new, r in enumerate(alive):
+            m.rank[r] = new
+        return ctx
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        _discard_if_leaving(ctx)
+        leaving = sorted(ctx.terminated_ranks)
+        state = ctx.state
+        ctx.state = dataclasses.replace(
+            state,
+            rank=state.rank - bisect.bisect_left(leaving, state.rank),
+            world_size=state.world_size - len(leaving),
+        )
+        ctx.terminated_ranks = set()
         return ctx
 
 
-class FillGaps(RankAssignment):
-    """Fill each gap with one of the highest ranks; all other ranks keep theirs.
+class FillGaps(JobAssignment):
+    """Fill each gap with one of the highest ranks; every other rank keeps its number.
 
     With W ranks left, every rank below W keeps its number; the ranks at or
-    above W move, lowest first, into the gaps below W, lowest gap first. The
-    same rule applies to ``active_rank`` among active ranks.
+    above W move, lowest first, into the gaps below W, lowest gap first::
+
+        ranks 0 X 2 3 X X 6 7  ->  0 6 2 3 7   (6->1, 7->4)
+
+    This is the documented behaviour there; its code moves a rank past the
+    new world size when a rank at or above W leaves too (here it never does).
     """
 
-    @staticmethod
-    def _fill(members: list[int], column: list[int]) -> None:
-        count = len(members)
-        taken = [False] * count
-        movers = []
-        for r in members:
-            c = column[r]
-            if c != NONE and 0 <= c < count and not taken[c]:
-                taken[c] = True
-            else:
-                movers.append(r)
-        movers.sort(key=lambda r: (column[r] == NONE, column[r]))
-        gaps = (i for i, t in enumerate(taken) if not t)
-        for r, gap in zip(movers, gaps, strict=True):  # as many movers as free places
-            column[r] = gap
+    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
+        m = _remove_leaving(ctx)
+        alive = [r for r, mode in enumerate(m.mode) if mode != TERMINATED]
+        w = len(alive)
+        held = [False] * w
+        for r in alive:
+            if m.rank[r] < w:
+                held[m.rank[r]] = True
+        movers = sorted((r for r in alive if m.rank[r] >= w), key=m.rank.__getitem__)
+        gaps = [v for v in range(w) if not held[v]]
+        for r, gap in zip(movers, gaps, strict=True):  # as many movers as gaps
+            m.rank[r] = gap
+        return ctx
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        m = ctx.membership
-        self._fill([r for r, mode in enumerate(m.mode) if mode != TERMINATED], m.rank)
-        self._fill([r for r, mode in enumerate(m.mode) if mode == ACTIVE], m.active_rank)
+        _discard_if_leaving(ctx)
+        leaving = sorted(ctx.terminated_ranks)
+        state = ctx.state
+        w = state.world_size - len(leaving)
+        rank = state.rank
+        if rank >= w:
+            # Movers are the remaining ranks at or above w, lowest first; gaps the leaving ranks below w.
+            below = bisect.bisect_left(leaving, w)
+            mover_index = (rank - w) - (bisect.bisect_left(leaving, rank) - below)
+            rank = leaving[mover_index]
+        ctx.state = dataclasses.replace(state, rank=rank, world_size=w)
+        ctx.terminated_ranks = set()
         return ctx

@@ -7,7 +7,6 @@ Written over the columns of the membership table so that it stays well under
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from typing import Any, Optional, Sequence
 
@@ -61,62 +60,6 @@ class Structure:
         for i, r in enumerate(order):
             pos[r] = i
         self.pos = pos
-
-
-def infer_slots(st: Structure, m: Membership, lost: list[int]) -> list[tuple[int, int]]:
-    """(number, lost initial rank) of each lost active rank, recovered without the previous table.
-
-    Relies on Tree's numbering (rank == active_rank for active ranks, spares
-    numbered above them in tree order): the lost ranks' numbers are the gaps
-    of the ``rank`` column among ``W_prev`` = survivors + lost. Gaps above the
-    surviving spares' lowest rank were spares; they are matched to lost
-    ranks by tree order between the surviving spares around them (the latest
-    such lost rank, as spares sit at the end of their domain). The other gaps
-    are taken for active numbers, matched to the remaining lost ranks in tree
-    order. Gaps between the highest surviving active number and the lowest
-    surviving spare's rank could be either; taking them for active numbers
-    keeps spares in use rather than shrinking the world.
-    """
-    if not lost:
-        return []
-    mode, rank, act = m.mode, m.rank, m.active_rank
-    pos = st.pos
-    n = len(mode)
-    survivors_active = [r for r in range(n) if mode[r] == ACTIVE]
-    spares = sorted((rank[r], r) for r in range(n) if mode[r] == INACTIVE)
-    w_prev = n - mode.count(TERMINATED) + len(lost)
-    max_active = max((act[r] for r in survivors_active), default=-1)
-    convention = all(rank[r] == act[r] for r in survivors_active) and (not spares or spares[0][0] > max_active)
-    if convention:
-        held = [False] * w_prev
-        for r in range(n):
-            if mode[r] != TERMINATED and 0 <= rank[r] < w_prev:
-                held[rank[r]] = True
-        low_spare = spares[0][0] if spares else w_prev
-        gaps = [v for v in range(w_prev) if not held[v]]
-        active_gaps = [v for v in gaps if v < low_spare]
-        spare_gaps = [v for v in gaps if v >= low_spare]
-    else:
-        held = [False] * (max_active + 1)
-        for r in survivors_active:
-            held[act[r]] = True
-        active_gaps = [v for v in range(max_active + 1) if not held[v]]
-        spare_gaps = []
-    lost_pos = [pos[r] for r in lost]  # ascending: lost is in tree order
-    taken = [False] * len(lost)
-    spare_values = [v for v, _ in spares]
-    for v in spare_gaps:
-        i = bisect.bisect_left(spare_values, v)
-        lo = pos[spares[i - 1][1]] if i > 0 else -1
-        hi = pos[spares[i][1]] if i < len(spares) else n
-        j = bisect.bisect_left(lost_pos, hi) - 1
-        while j >= 0 and lost_pos[j] > lo and taken[j]:
-            j -= 1
-        if j >= 0 and lost_pos[j] > lo:
-            taken[j] = True
-    remaining = [r for r, t in zip(lost, taken, strict=True) if not t]
-    # Fewer lost ranks than gaps (or the reverse) when the convention is broken: pair what pairs.
-    return list(zip(active_gaps, remaining, strict=False))
 
 
 Caps = list[tuple[list[int], int, list[int]]]  # per capped layer: domain column, max_ranks, active count per domain
