@@ -116,6 +116,7 @@ class AgreedInputs:
         self._topology_source = topology
         self._topology: Optional[Topology] = None
         self._initial_of_rank: Optional[dict[int, int]] = None
+        self._initial_of_set: dict[frozenset[int], frozenset[int]] = {}
         self._results: dict[tuple[int, frozenset[int]], JobResult] = {}
 
     @contextlib.contextmanager
@@ -146,8 +147,15 @@ class AgreedInputs:
         if self._initial_of_rank is None:
             p = self.previous
             self._initial_of_rank = {p.rank[r]: r for r in range(p.initial_world_size) if p.mode[r] != TERMINATED}
+        # Every rank the leader evaluates passes the same set: convert it once.
+        key = frozenset(ranks)
+        known = self._initial_of_set.get(key)
+        if known is not None:
+            return set(known)
         try:
-            return {self._initial_of_rank[rank] for rank in ranks}
+            found = {self._initial_of_rank[rank] for rank in ranks}
+            self._initial_of_set[key] = frozenset(found)
+            return found
         except KeyError as e:
             raise ValueError(
                 f"terminated_ranks={sorted(ranks)} names rank {e.args[0]}, which no rank held in the previous "

@@ -23,9 +23,24 @@ from .job import JobAssignment
 def _discard_if_leaving(ctx: RankAssignmentCtx) -> None:
     if ctx.state.rank in ctx.terminated_ranks:
         raise RankDiscarded(
-            f"rank {ctx.state.rank} (initial rank {ctx.state.initial_rank}) is among "
-            f"terminated_ranks={sorted(ctx.terminated_ranks)}"
+            f"rank {ctx.state.rank} (initial rank {ctx.state.initial_rank}) is among the "
+            f"{len(ctx.terminated_ranks)} terminated_ranks"
         )
+
+
+_last_sorted: tuple[frozenset[int], list[int]] = (frozenset(), [])
+
+
+def _sorted(ranks: set[int]) -> list[int]:
+    """``sorted(ranks)``, kept for the next call: the leader passes every rank the same set."""
+    global _last_sorted
+    key = frozenset(ranks)
+    last = _last_sorted
+    if last[0] == key:
+        return last[1]
+    ordered = sorted(key)
+    _last_sorted = (key, ordered)
+    return ordered
 
 
 def _remove_leaving(ctx: JobAssignmentCtx) -> Membership:
@@ -53,7 +68,7 @@ class ShiftRanks(JobAssignment):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         _discard_if_leaving(ctx)
-        leaving = sorted(ctx.terminated_ranks)
+        leaving = _sorted(ctx.terminated_ranks)
         state = ctx.state
         ctx.state = dataclasses.replace(
             state,
@@ -92,7 +107,7 @@ class FillGaps(JobAssignment):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         _discard_if_leaving(ctx)
-        leaving = sorted(ctx.terminated_ranks)
+        leaving = _sorted(ctx.terminated_ranks)
         state = ctx.state
         w = state.world_size - len(leaving)
         rank = state.rank
