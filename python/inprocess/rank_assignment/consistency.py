@@ -42,21 +42,23 @@ def check_membership(
             f"initial ranks {_ranks(pending)} are leaving but still hold their ranks: expected ShiftRanks, FillGaps "
             f"or Tree to remove them after the step that marked them"
         )
-    back = [r for r in range(len(m.mode)) if previous.mode[r] == TERMINATED and m.mode[r] != TERMINATED]
+    mode, previous_mode = m.mode, previous.mode
+    alive = [r for r in range(len(mode)) if mode[r] != TERMINATED]
+    back = [r for r in alive if previous_mode[r] == TERMINATED]
     if back:
         raise InconsistentAssignment(f"initial ranks {_ranks(back)} were terminated before and came back")
-    kept = [r for r in lost if m.mode[r] != TERMINATED]
+    kept = [r for r in lost if mode[r] != TERMINATED]
     if kept:
         raise InconsistentAssignment(f"initial ranks {_ranks(kept)} were lost but are still in the job")
-    unassigned = [r for r, mode in enumerate(m.mode) if mode not in (ACTIVE, INACTIVE, TERMINATED)]
+    unassigned = [r for r in alive if mode[r] != ACTIVE and mode[r] != INACTIVE]
     if unassigned:
-        names = sorted({Mode(m.mode[r]).name for r in unassigned})
+        names = sorted({Mode(mode[r]).name for r in unassigned})
         raise InconsistentAssignment(
             f"initial ranks {_ranks(unassigned)} are {'/'.join(names)}: nothing made them active or spare; expected "
             f"ActivateAllRanks, MaxActiveWorldSize, ActiveWorldSizeDivisibleBy or Tree in the rank assignment"
         )
-    _check_numbering(m)
-    count = m.active_world_size
+    _check_numbering(m, alive)
+    count = sum(1 for r in alive if mode[r] == ACTIVE)
     if active_world_size != count:
         raise InconsistentAssignment(
             f"the ranks' active_world_size is {active_world_size} but {count} ranks are active: expected an "
@@ -65,21 +67,24 @@ def check_membership(
         )
 
 
-def _check_numbering(m: Membership) -> None:
-    alive = [r for r, mode in enumerate(m.mode) if mode != TERMINATED]
-    _check_column("rank", [(r, m.rank[r]) for r in alive])
-    inactive_with_rank = [r for r in alive if m.mode[r] == INACTIVE and m.active_rank[r] != NONE]
+def _check_numbering(m: Membership, alive: list[int]) -> None:
+    mode, rank, act = m.mode, m.rank, m.active_rank
+    inactive_with_rank = [r for r in alive if mode[r] == INACTIVE and act[r] != NONE]
     if inactive_with_rank:
         r = inactive_with_rank[0]
         raise InconsistentAssignment(
             f"spare initial ranks {_ranks(inactive_with_rank)} hold an active rank (initial rank {r}: "
-            f"active_rank={m.active_rank[r]})"
+            f"active_rank={act[r]})"
         )
-    _check_column("active_rank", [(r, m.active_rank[r]) for r in alive if m.mode[r] == ACTIVE])
+    active = [r for r in alive if mode[r] == ACTIVE]
+    for name, column, holders in (("rank", rank, alive), ("active_rank", act, active)):
+        # The common case in one sort; the search for the ranks to name only when it fails.
+        if sorted(column[r] for r in holders) != list(range(len(holders))):
+            _name_the_clash(name, [(r, column[r]) for r in holders])
 
 
-def _check_column(name: str, held: list[tuple[int, int]]) -> None:
-    """Every (initial rank, number) pair: the numbers must be 0..len-1, each once."""
+def _name_the_clash(name: str, held: list[tuple[int, int]]) -> None:
+    """(initial rank, number) pairs whose numbers are not 0..len-1, each once: raise naming the ranks."""
     size = len(held)
     holder: dict[int, int] = {}
     for r, value in held:
@@ -91,7 +96,7 @@ def _check_column(name: str, held: list[tuple[int, int]]) -> None:
         other = holder.setdefault(value, r)
         if other != r:
             raise InconsistentAssignment(f"initial ranks {other} and {r} both have {name}={value}")
-    # size values in 0..size-1, none twice: none is missing either.
+    raise InconsistentAssignment(f"the {name} numbers are not 0..{size - 1}")
 
 
 def check_agreement(m: Membership, states: dict[int, tuple[int, Optional[int]]]) -> None:
