@@ -11,12 +11,11 @@ still has enough ranks.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED
 from ..state import Mode, State
-from .base import JobAssignmentCtx, RankAssignmentCtx, is_int
+from .base import JobAssignmentCtx, RankAssignmentCtx, is_int, replace_state
 from .job import JobAssignment
 
 
@@ -37,7 +36,7 @@ def _activate_below(ctx: JobAssignmentCtx, active_world_size: int) -> JobAssignm
 
 def _state_below(state: State, active_world_size: int) -> State:
     active = state.rank < active_world_size
-    return dataclasses.replace(
+    return replace_state(
         state,
         mode=Mode.ACTIVE if active else Mode.INACTIVE,
         active_rank=state.rank if active else None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Optional, Sequence, TypeGuard
+from typing import Any, Optional, Sequence, TypeGuard, TypeVar
 
 from ..compose import leaves
 from ..control.membership import Membership
@@ -98,6 +98,24 @@ class JobAssignmentCtx:
     iteration: int
     topology: Topology = dataclasses.field(default_factory=Topology.empty)
     previous: Optional[Membership] = None
+
+
+StateT = TypeVar("StateT")
+
+
+def replace_state(state: StateT, **changes: Any) -> StateT:
+    """``dataclasses.replace(state, **changes)``: a new state, the input untouched.
+
+    A plain :class:`State` is copied field by field without running its
+    ``__init__`` again (the leader builds one per rank and per step), any other
+    dataclass (a ``FrozenState``, a subclass) through ``dataclasses.replace``.
+    """
+    if type(state) is State:
+        new = State.__new__(State)
+        new.__dict__.update(state.__dict__)
+        new.__dict__.update(changes)
+        return new  # type: ignore[return-value]
+    return dataclasses.replace(state, **changes)  # type: ignore[type-var]
 
 
 def key_gathering_leaves(rank_assignment: Any) -> list[Any]:

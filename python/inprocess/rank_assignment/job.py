@@ -14,7 +14,6 @@ the job-wide step on the agreed inputs.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any, Callable, Optional
 
 from ..control.membership import NONE, TERMINATED
@@ -22,7 +21,7 @@ from ..exception import RankDiscarded
 from ..state import FrozenState, Mode
 from .agreed import current as current_agreed
 from .agreed import describe_row, row_of
-from .base import JobAssignmentCtx, RankAssignment, RankAssignmentCtx
+from .base import JobAssignmentCtx, RankAssignment, RankAssignmentCtx, replace_state
 
 
 class JobAssignment(RankAssignment):
@@ -86,7 +85,7 @@ def rank_view(
     i = ctx.state.initial_rank
     if m.mode[i] == TERMINATED:
         raise RankDiscarded(f"initial rank {i} (rank {ctx.state.rank}) was terminated by the rank assignment")
-    ctx.state = dataclasses.replace(
+    ctx.state = replace_state(
         ctx.state,
         rank=m.rank[i],
         world_size=m.world_size if world_size is None else world_size,

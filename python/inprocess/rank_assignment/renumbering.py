@@ -12,11 +12,10 @@ to set from the new ranks, which therefore runs after them (it comes first in
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
 from ..control.membership import TERMINATED, Membership
 from ..exception import RankDiscarded
-from .base import JobAssignmentCtx, RankAssignmentCtx
+from .base import JobAssignmentCtx, RankAssignmentCtx, replace_state
 from .job import JobAssignment
 
 
@@ -70,7 +69,7 @@ class ShiftRanks(JobAssignment):
         _discard_if_leaving(ctx)
         leaving = _sorted(ctx.terminated_ranks)
         state = ctx.state
-        ctx.state = dataclasses.replace(
+        ctx.state = replace_state(
             state,
             rank=state.rank - bisect.bisect_left(leaving, state.rank),
             world_size=state.world_size - len(leaving),
@@ -116,6 +115,6 @@ class FillGaps(JobAssignment):
             below = bisect.bisect_left(leaving, w)
             mover_index = (rank - w) - (bisect.bisect_left(leaving, rank) - below)
             rank = leaving[mover_index]
-        ctx.state = dataclasses.replace(state, rank=rank, world_size=w)
+        ctx.state = replace_state(state, rank=rank, world_size=w)
         ctx.terminated_ranks = set()
         return ctx
