@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
-from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
+from inprocess.control.node_link import NodeLink, socket_name
 from inprocess.control.protocol import RestartProtocol
-from inprocess.processes.node_agent import spawn_node_agent
+from inprocess.processes.contract import HelperProcess, NodeAgentConfig
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 
@@ -40,8 +40,8 @@ def main() -> None:
     def protocol() -> RestartProtocol:
         return RestartProtocol(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout))
 
-    agent = spawn_node_agent("127.0.0.1", server.port, 0, NodeLayout("bench", 0, 1),
-                             store_timeout_s=10, connect_timeout_s=10)
+    agent = HelperProcess.start(NodeAgentConfig(store_host="127.0.0.1", store_port=server.port, call=0, node="bench",
+                                                slots=1, store_timeout_s=10, connect_timeout_s=10))
     link = None
     try:
         link = NodeLink.connect(socket_name("127.0.0.1", server.port, 0, "bench"), 0, 10)
@@ -71,11 +71,8 @@ def main() -> None:
     finally:
         if link is not None:
             link.close()  # the agent exits once its last rank closed its link
-        try:
-            agent.wait(5)
-        except Exception:
-            agent.kill()
-            agent.wait()
+        if not agent.wait_exit(5):
+            agent.stop()
     med_b, med_s = statistics.median(board_ms), statistics.median(store_ms)
     print(f"request_restart -> waiter awake, {args.samples} samples (median, max):")
     print(f"  through the node agent's board  {med_b:6.2f} ms  {max(board_ms):6.2f} ms")

@@ -92,8 +92,8 @@ def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = Non
     me = call_wrapper.frozen_state
     if me.active_rank == 0:
         for n, r in enumerate(call_wrapper.restarts[-1:], start=len(call_wrapper.restarts)):
-            first_hand = [f for f in r.faults if f.kind != "after_restart"]
-            why = "; ".join(f"rank {f.rank}: {f.type}: {f.message}" for f in first_hand) or "no fault recorded"
+            # The causes only: a peer's broken connection after a rank died is a consequence.
+            why = "; ".join(f"rank {f.rank}: {f.type}: {f.message}" for f in r.causes) or "no fault recorded"
             print(f"[demo] restart {n}: iteration {r.iteration} failed ({why}); "
                   f"restarted in {r.duration_s * 1e3:.0f} ms", flush=True)
     # A process group per iteration, on the store the engine scopes to it. Its

@@ -29,7 +29,8 @@ td = datetime.timedelta
          "heartbeat_interval=60s must be less than heartbeat_timeout=30s"),
         ({"monitor_process_interval": td(seconds=90)},
          "monitor_process_interval=90s must be less than heartbeat_timeout=60s"),
-        ({"barrier_timeout": td(seconds=90)}, "hard_timeout=90s + termination_grace_time=5s must be less than barrier_timeout=90s"),
+        ({"barrier_timeout": td(seconds=90)},
+         "hard_timeout=90s + termination_grace_time=5s must be less than barrier_timeout=90s"),
         ({"enabled": "yes"}, "enabled='yes' (str): expected True or False"),
         ({"initialize": 3}, "initialize=3 (int): expected a callable or None"),
         ({"health_check": "check"}, "health_check='check' (str)"),
@@ -70,3 +71,19 @@ def test_invalid_hook_arguments_name_the_value(factory, fragment):
     with pytest.raises(ValueError) as info:
         factory()
     assert fragment in str(info.value)
+
+
+def test_each_wait_has_a_budget_in_seconds_derived_from_its_keyword():
+    t = inprocess.Wrapper(soft_timeout=td(seconds=10), hard_timeout=td(seconds=12), barrier_timeout=td(seconds=20),
+                          heartbeat_timeout=td(seconds=45)).timeouts
+    budgets = {
+        "barrier_wait_s": 20.0, "abort_wait_s": 20.0, "release_wait_s": 20.0, "monitor_store_op_s": 20.0,
+        "monitor_barrier_wait_s": 20.0, "agent_store_op_s": 20.0, "agent_connect_s": 20.0, "store_host_idle_s": 45.0,
+    }
+    got = {name: getattr(t, name) for name in budgets}
+    assert got == budgets and all(type(v) is float for v in got.values())
+    # The agent's connect budget is capped: a rank does not wait minutes for an agent it can do without.
+    assert inprocess.Wrapper(barrier_timeout=td(seconds=300)).timeouts.agent_connect_s == 30.0
+    # Every budget is documented in the Timeouts docstring.
+    doc = type(t).__doc__ or ""
+    assert all(f"``{name}``" in doc for name in budgets)

@@ -1,7 +1,7 @@
 """The monitor process (python -m inprocess.processes.monitor) against real ranks, signals and a real TCPStore.
 
 A fake rank (tests/workers/monitor_rank.py) creates its heartbeat page, spawns
-its monitor with spawn_monitor and then faults. The test process is a child
+its monitor with HelperProcess.start(MonitorConfig(...)) and then faults. The test process is a child
 subreaper while a test runs, so the monitor, orphaned when its rank dies, is
 re-parented to it: the test reads the monitor's exit status and reaps it.
 """
@@ -22,7 +22,8 @@ import pytest
 
 from inprocess import _native
 from inprocess.control.protocol import TERMINATED_UNIT, RestartProtocol
-from inprocess.processes.monitor import EXIT_OK, build_parser, monitor_heartbeat_key
+from inprocess.processes.contract import MonitorConfig
+from inprocess.processes.monitor import EXIT_OK, monitor_heartbeat_key
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -322,10 +323,10 @@ def test_rank_dead_before_the_initial_barrier(rank_run: Any, store: Any) -> None
 
 @pytest.mark.timeout(30)
 def test_cli_validation() -> None:
-    parser = build_parser()
     base = ["--store-host", "h", "--store-port", "1", "--call", "0", "--rank", "0",
-            "--heartbeat-fd", "3", "--pid", "1", "--grace-s", "1"]
-    assert parser.parse_args(base).grace_s == 1.0
+            "--heartbeat-fd", "3", "--pid", "1", "--store-timeout-s", "10", "--barrier-timeout-s", "10",
+            "--grace-s", "1"]
+    assert MonitorConfig.from_argv(base).grace_s == 1.0
     for bad in (["--store-port", "0"], ["--rank", "-1"], ["--grace-s", "x"], ["--pid", "0"]):
         proc = subprocess.run([sys.executable, "-m", "inprocess.processes.monitor", *base, *bad],
                               capture_output=True, text=True, timeout=20)

@@ -17,13 +17,21 @@ import pytest
 import torch.distributed as dist
 
 from inprocess.control.protocol import done_key, monitor_heartbeat_key
-from inprocess.processes import store_host
+from inprocess.processes import contract, store_host
+from inprocess.processes.contract import HelperProcess, StoreHostConfig
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def _client(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+
+
+def _start(port: int, idle_timeout_s: float = 60.0, start_timeout_s: float = 120.0) -> tuple[HelperProcess, int]:
+    """Start a store host as a rank does (store.TCPStore) and wait for its port."""
+    config = StoreHostConfig(port=port, world_size=2, idle_timeout_s=idle_timeout_s, parent_pid=os.getpid())
+    host = HelperProcess.start(config, ready_timeout_s=start_timeout_s)
+    return host, int(host.ready)
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -40,11 +48,11 @@ def _gone(pid: int, timeout: float) -> bool:
 
 
 def test_serves_and_exits_when_the_call_is_done() -> None:
-    host = store_host.spawn_store_host(0, 2, idle_timeout_s=60)
+    host, port = _start(0, idle_timeout_s=60)
     try:
-        client = _client(host.port)
+        client = _client(port)
         client.set("x", "1")
-        assert _client(host.port).get("x") == b"1"
+        assert _client(port).get("x") == b"1"
         client.set(store_host.CALL_KEY, "5")
         assert host.alive()
         client.set(done_key(5), "1")
@@ -60,13 +68,14 @@ def test_a_taken_port_is_refused_with_its_number() -> None:
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"port {port}"):
-            store_host.spawn_store_host(port, 2, start_timeout_s=60)
+            _start(port, start_timeout_s=60)
 
 
 def test_bad_arguments_exit_2_naming_the_value() -> None:
-    proc = subprocess.run([sys.executable, "-m", "inprocess.processes.store_host", "--port", "70000", "--world-size", "2"],
+    argv = ["--port", "70000", "--world-size", "2", "--idle-timeout-s", "60"]
+    proc = subprocess.run([sys.executable, "-m", "inprocess.processes.store_host", *argv],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == store_host.EXIT_USAGE
+    assert proc.returncode == contract.EXIT_USAGE
     assert "--port=70000" in proc.stderr
 
 
@@ -75,9 +84,10 @@ def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
     and exits after idle_timeout of silence: no server outlives the job."""
     starter = textwrap.dedent("""
         import os, sys
-        from inprocess.processes import store_host
-        host = store_host.spawn_store_host(0, 2, idle_timeout_s=1.5)
-        print(host.pid, host.port, flush=True)
+        from inprocess.processes.contract import HelperProcess, StoreHostConfig
+        config = StoreHostConfig(port=0, world_size=2, idle_timeout_s=1.5, parent_pid=os.getpid())
+        host = HelperProcess.start(config, ready_timeout_s=120)
+        print(host.pid, host.ready, flush=True)
         sys.stdin.readline()
         os.kill(os.getpid(), 9)
     """)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import stat
 import threading
 import time
@@ -289,3 +290,53 @@ def test_single_host_job_on_a_file_store(monkeypatch, tmp_path):
     assert train() == 2
     assert calls == [0, 1, 2]
     assert not dist.is_initialized()
+
+
+def test_a_socket_accepted_by_an_older_listener_is_not_the_new_groups():
+    """A TCPStore server living in the process accepts clients at any time: a
+    connection it accepts while a process group is built belongs to the store."""
+    from inprocess.engine import sockets
+
+    store_server = socket.socket()
+    store_server.bind(("127.0.0.1", 0))
+    store_server.listen()
+    before = sockets.socket_fds()
+    client = socket.create_connection(store_server.getsockname())  # a peer's store client
+    accepted, _ = store_server.accept()  # what the server thread does meanwhile
+    group_listener = socket.socket()  # the new group's own listener and pair
+    group_listener.bind(("127.0.0.1", 0))
+    group_listener.listen()
+    pair = socket.create_connection(group_listener.getsockname())
+    pair_accepted, _ = group_listener.accept()
+    try:
+        new = sockets.new_since(before)
+        assert {client.fileno(), accepted.fileno(), group_listener.fileno(), pair.fileno(),
+                pair_accepted.fileno()} <= set(new)
+        assert set(sockets.accepted_by_older_listeners(new, before)) == {accepted.fileno()}
+    finally:
+        for s in (store_server, client, accepted, group_listener, pair, pair_accepted):
+            s.close()
+
+
+def test_causes_come_first_and_consequences_are_marked():
+    from inprocess.control.protocol import FaultRecord
+    from inprocess.engine.restart_record import RestartRecord
+
+    gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4503"
+    killed = FaultRecord(0, 2, "killed", "SIGKILL", "rank process 11 died in iteration 2")
+    peer_error = FaultRecord(1, 2, "exception", "RuntimeError", gloo)
+    own_bug = FaultRecord(3, 2, "exception", "ValueError", "bad batch")
+    late = FaultRecord(2, 2, "after_restart", "RuntimeError", "interrupted")
+    # The peer's gloo error was recorded first: it is still not a cause.
+    record = RestartRecord(2, [peer_error, late, killed, own_bug], 4, [0], detected_ns=1_000_000,
+                           aborted_ns=2_000_000, finalized_ns=3_000_000, health_checked_ns=4_000_000,
+                           decided_ns=9_000_000, activated=[5])
+    assert record.causes == [killed, own_bug]
+    assert record.consequences == [peer_error, late]
+    # Without a death, a communication error is a cause.
+    assert RestartRecord(2, [peer_error], 1, []).causes == [peer_error]
+    text = record.summary(active_world_size=3, world_size=4)
+    assert text.startswith("restart after iteration 2: cause: rank 0 killed: SIGKILL: rank process 11 died")
+    assert "consequences (not causes): rank 1 RuntimeError; rank 2 RuntimeError" in text
+    assert "excluded: [0]; spares activated: [5]; now 3 active of 4" in text
+    assert text.endswith("(slowest phase: barrier, 5 ms)")

@@ -39,6 +39,7 @@ _LAZY_MODULES = (
     "finalize",
     "health_check",
     "initialize",
+    "nested_restarter",
     "rank_assignment",
     "store",
     "terminate",
@@ -60,6 +61,10 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'inprocess' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_ATTRIBUTES) | set(_LAZY_MODULES))
 
 
 __all__ = [
@@ -84,6 +89,7 @@ __all__ = [
     "finalize",
     "health_check",
     "initialize",
+    "nested_restarter",
     "rank_assignment",
     "state",
     "store",

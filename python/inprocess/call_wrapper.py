@@ -18,9 +18,7 @@ rule for exceptions in hooks is in :mod:`inprocess.wrap`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import enum
 import logging
 import os
 import threading
@@ -30,13 +28,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from . import _native
+from . import _native, faults
 from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine.leave import Leave, LeaveJob
+from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
+from .events import call_start_fields
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -72,63 +73,6 @@ def current_call() -> Optional["CallWrapper"]:
 
 def _seconds(td: datetime.timedelta) -> float:
     return td.total_seconds()
-
-
-@dataclasses.dataclass
-class RestartRecord:
-    """One restart as this rank saw it (timestamps: CLOCK_MONOTONIC ns of this host).
-
-    ``CallWrapper.restarts`` lists them, oldest first, for the function to read
-    (the demo prints them).
-    """
-
-    iteration: int  # the iteration that failed
-    faults: list[FaultRecord]
-    n_faults: int
-    terminated: list[int]
-    fault_ns: int = 0  # earliest fault recorded on this host, else 0
-    detected_ns: int = 0
-    aborted_ns: int = 0
-    finalized_ns: int = 0
-    health_checked_ns: int = 0
-    decided_ns: int = 0
-    initialized_ns: int = 0
-    assignment_ns: int = 0  # duration of the rank assignment on the leader
-
-    @property
-    def duration_s(self) -> float:
-        """Fault (or detection, for faults on other hosts) to resumption, in seconds."""
-        start = self.fault_ns or self.detected_ns
-        end = self.initialized_ns or self.decided_ns
-        return max(0, end - start) / 1e9
-
-
-class Leave(enum.Enum):
-    """Why a rank leaves the job. The value is the fault kind the store records."""
-
-    TERMINATED = "terminated"  # a BaseException that is not the engine's own
-    COMPLETION_TIMEOUT = "completion_timeout"  # the other active ranks did not return
-    STORE_LOST = "store"  # the restart trigger stopped without an outcome
-    ABORT_FAILED = "abort"  # the abort hook raised or did not finish
-    FINALIZE_FAILED = "finalize"
-    HEALTH_CHECK_FAILED = "health_check"
-    COUNTED_OUT = "counted_out"  # a monitor declared this rank lost and counted it out
-    DISCARDED = "discarded"  # the rank assignment terminated it
-    JOB_ABORTED = "abort_job"  # the decision ended the job on every rank
-
-    @property
-    def counted_already(self) -> bool:
-        """The store knows already: the rank records no fault and does not count itself out."""
-        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ABORTED)
-
-
-class _LeaveJob(Exception):
-    """Internal: unwinds the state machine to TERMINATED with the exception this rank leaves with."""
-
-    def __init__(self, exc: BaseException, reason: Leave):
-        super().__init__(reason.value)
-        self.exc = exc
-        self.reason = reason
 
 
 class CallWrapper:
@@ -209,6 +153,7 @@ class CallWrapper:
     # -- the restart loop ------------------------------------------------------
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
         call_index = self._enter()
         try:
             self._rt = RankRuntime.open(
@@ -226,6 +171,7 @@ class CallWrapper:
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = self._runtime
+        self._emit("call_start", **call_start_fields(self.state.initial_world_size))
         try:
             self._set_phase(_Phase.INITIAL_BARRIER)
             self._join()
@@ -234,6 +180,7 @@ class CallWrapper:
                 rt.interrupter.reset()
                 outcome = rt.trigger.arm(i, active=self.state.mode == Mode.ACTIVE)
                 log.debug("iteration %d: rank %d runs as %s", i, self.state.initial_rank, self.state.mode.name)
+                self._emit_iteration_start()
                 if self.state.mode == Mode.ACTIVE:
                     completed, value = self._run_active(fn, args, kwargs, outcome)
                 else:
@@ -241,7 +188,7 @@ class CallWrapper:
                 if completed:
                     return self._complete(value)
                 self._restart(outcome)
-        except _LeaveJob as leaving:
+        except LeaveJob as leaving:
             self._leave_job(leaving)
 
     def _join(self) -> None:
@@ -249,7 +196,9 @@ class CallWrapper:
         keys = self._assignment.local_keys(s.freeze())
         if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
-        self._apply(self._barrier(0, s.initial_world_size))
+        decision = self._barrier(0, s.initial_world_size)
+        self._emit_decision(decision)
+        self._apply(decision)
 
     def _run_active(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], outcome: IterationOutcome
@@ -266,7 +215,8 @@ class CallWrapper:
                 self._check_health_before_iteration()
                 if self.restarts:
                     self.restarts[-1].initialized_ns = time.monotonic_ns()
-                value = fn(*args, **kwargs)
+                with faults.arm_from_environment(s.freeze()):  # INPROCESS_FAULTS: rehearsed failures
+                    value = fn(*args, **kwargs)
         except RankShouldRestart:
             return False, None
         except BaseException as e:
@@ -280,7 +230,7 @@ class CallWrapper:
         timeout = _seconds(self._w.timeouts.completion_timeout)
         if not outcome.done.wait(timeout):
             late = TimeoutError(f"the other ranks did not complete iteration {s.iteration} within {timeout:g}s")
-            raise _LeaveJob(late, Leave.COMPLETION_TIMEOUT)
+            raise LeaveJob(late, Leave.COMPLETION_TIMEOUT)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, value
 
@@ -295,7 +245,7 @@ class CallWrapper:
             _drop_frames(e)
             return
         if not isinstance(e, Exception):
-            raise _LeaveJob(e, Leave.TERMINATED) from None
+            raise LeaveJob(e, Leave.TERMINATED) from None
         # Publish before the frames are dropped: dropping them may destroy
         # this rank's process group, and a peer that sees its connection
         # close must find the restart already requested.
@@ -305,38 +255,42 @@ class CallWrapper:
         # moment: it is recorded either way, marked, and only a first-hand
         # fault counts as this rank's (fn_exception, FaultCounter).
         kind = "exception" if first_hand else "after_restart"
-        p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e))
+        record = FaultRecord.from_exception(s.initial_rank, s.iteration, kind, e)
+        p.report_fault(record)
+        self._emit("fault", record.t_ns, iteration=s.iteration, fault=kind, type=record.type, message=record.message)
         if first_hand:
             s.fn_exception = e
         log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
         _drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
+        self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
         try:
             self._check_health_before_iteration()
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
         # A spare blocks on the trigger's event: no CPU burnt while it waits.
-        outcome.done.wait()
+        with faults.arm_from_environment(self.state.freeze()):
+            outcome.done.wait()
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, None
 
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
             e = outcome.abort_error or InternalError("restart trigger stopped without an outcome")
-            raise _LeaveJob(e, Leave.STORE_LOST)
+            raise LeaveJob(e, Leave.STORE_LOST)
 
     def _restart(self, outcome: IterationOutcome) -> None:
         s = self.state
-        barrier_timeout = _seconds(self._w.timeouts.barrier_timeout)
+        abort_wait = self._w.timeouts.abort_wait_s
         fault_iteration = s.iteration
         self._set_phase(_Phase.ABORTING)
-        if not outcome.done.wait(barrier_timeout):
-            raise _LeaveJob(TimeoutError(f"abort did not finish within {barrier_timeout:g}s"), Leave.ABORT_FAILED)
+        if not outcome.done.wait(abort_wait):
+            raise LeaveJob(TimeoutError(f"abort did not finish within {abort_wait:g}s"), Leave.ABORT_FAILED)
         self._check_outcome(outcome)
         if outcome.abort_error is not None:
-            raise _LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
+            raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
                                aborted_ns=outcome.aborted_ns)
         self._runtime.release_iteration()
@@ -347,7 +301,7 @@ class CallWrapper:
         try:
             self._check_health()
         except BaseException as e:
-            raise _LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
+            raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
 
         self._set_phase(_Phase.RESTART_BARRIER)
@@ -357,19 +311,47 @@ class CallWrapper:
         record.assignment_ns = decision.assignment_ns
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
+        previous = self._membership
+        if previous is not None:
+            record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
+                                                                       strict=True))
+                                if was == Mode.INACTIVE and now == Mode.ACTIVE]
         self.restarts.append(record)
+        self._emit_decision(decision)
         self._apply(decision)
+        self._log_restart(record)
+
+    def _log_restart(self, record: RestartRecord) -> None:
+        """One INFO line on every rank; the summary, as a WARNING, on the lowest active rank."""
+        s = self.state
+        log.info("rank %d: restarted after iteration %d in %.0f ms (%s)", s.initial_rank, record.iteration,
+                 record.duration_s * 1e3, ", ".join(f"{k} {v:.0f} ms" for k, v in record.phases_ms().items()))
+        if s.active_rank == 0 and s.active_world_size is not None:
+            log.warning("%s", record.summary(s.active_world_size, s.world_size))
+
+    def _emit_iteration_start(self) -> None:
+        s = self.state
+        self._emit("iteration_start", iteration=s.iteration, mode=s.mode.name, job_rank=s.rank,
+                   active_rank=s.active_rank, world_size=s.world_size, active_world_size=s.active_world_size)
+
+    def _emit_decision(self, decision: Decision) -> None:
+        m = decision.membership
+        records = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message, "t_ns": f.t_ns,
+                    "host": f.host} for f in decision.faults[:8]]
+        self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
+                   active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
+                   n_faults=decision.n_faults, faults=records)
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
         try:
             decision = self._runtime.protocol.barrier(
-                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
+                iteration, s.initial_rank, expected, False, self._decide, self._w.timeouts.barrier_wait_s
             )
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
             # stopped heartbeating) and counted it out: it must not count itself in.
-            raise _LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
+            raise LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
                             Leave.COUNTED_OUT) from None
         assert decision is not None  # a healthy arrival always gets the decision
         return decision
@@ -397,7 +379,7 @@ class CallWrapper:
         try:
             hook(self.state.freeze())
         except BaseException as e:
-            raise _LeaveJob(e, failed) from None
+            raise LeaveJob(e, failed) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         return self._assignment.decide(
@@ -416,15 +398,15 @@ class CallWrapper:
         s.iteration = decision.iteration
         if decision.abort is not None:
             self._runtime.protocol.leave(decision.iteration, m.world_size)
-            raise _LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
+            raise LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
         try:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
             self._assignment.verify(decision, previous, before, self._read_topology)
         except RankAssignmentMismatch as e:
-            raise _LeaveJob(e, Leave.TERMINATED) from None
+            raise LeaveJob(e, Leave.TERMINATED) from None
         mode = Mode(m.mode[r])
         if mode == Mode.TERMINATED:
-            raise _LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
+            raise LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
                             Leave.DISCARDED)
         s.mode = mode
         s.rank = m.rank[r]
@@ -445,20 +427,25 @@ class CallWrapper:
     def _complete(self, value: Any) -> Any:
         s = self.state
         self._set_phase(_Phase.DONE)
+        self._emit("exit", outcome="completed", reason=None, iteration=s.iteration)
         self._runtime.protocol.leave(s.iteration, s.world_size)
         if self._w.completion is not None:
             self._w.completion(s.freeze())
         return value if s.mode == Mode.ACTIVE else None
 
-    def _leave_job(self, leaving: _LeaveJob) -> NoReturn:
+    def _leave_job(self, leaving: LeaveJob) -> NoReturn:
         """TERMINATED: tell the others, arrive for this rank at the barrier, re-raise."""
         s = self.state
         p = self._runtime.protocol
         exc = leaving.exc
         _drop_frames(exc)
+        # Before the fault is reported: its restart is for the others, this rank must not abort itself.
+        self._runtime.trigger.stop(timeout=0)
         s.mode = Mode.TERMINATED
         log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, leaving.reason.value,
                     type(exc).__name__, exc)
+        self._emit("exit", outcome="terminated", reason=leaving.reason.value, iteration=s.iteration,
+                   type=type(exc).__name__, message=str(exc)[:300])
         if not leaving.reason.counted_already and self._membership is not None:
             try:
                 p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
@@ -511,14 +498,19 @@ class CallWrapper:
 
     def _run_abort_hook(self) -> None:
         """From the restart trigger thread, once the main thread was interrupted."""
-        self._runtime.shut_down_iteration_store()
-        if self._w.abort is not None:
-            self._w.abort(self.state.freeze())
+        iteration = self.state.iteration
+        self._emit("restart_detected", iteration=iteration)
+        try:
+            self._runtime.shut_down_iteration_store()
+            if self._w.abort is not None:
+                self._w.abort(self.state.freeze())
+        finally:
+            self._emit("abort_done", iteration=iteration)
 
     def _leave_unreleasable(self, p: RestartProtocol, iteration: int) -> None:
         """From the trigger thread: count this rank out of the next barrier."""
         s = self.state
-        e = TimeoutError(f"main thread still blocked {_seconds(self._w.timeouts.barrier_timeout):g}s after the abort")
+        e = TimeoutError(f"main thread still blocked {self._w.timeouts.release_wait_s:g}s after the abort")
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
         self._arrive_terminated(p, iteration)
 
@@ -527,7 +519,7 @@ class CallWrapper:
         s = self.state
         try:
             p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None,
-                      _seconds(self._w.timeouts.barrier_timeout))
+                      self._w.timeouts.barrier_wait_s)
         except SeatTaken:
             log.info("rank %d was counted out by another process already", s.initial_rank)
 
@@ -556,7 +548,10 @@ class CallWrapper:
                          f"{_seconds(self._w.timeouts.soft_timeout):g}s)")
         log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
         try:
-            rt.protocol.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e))
+            record = FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e)
+            rt.protocol.report_fault(record)
+            self._emit("fault", record.t_ns, iteration=s.iteration, fault="soft_timeout", type=record.type,
+                       message=record.message)
         except Exception as err:  # the store is gone: the hard timeout is the next line of defence
             log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
 
@@ -575,6 +570,12 @@ class CallWrapper:
     def _set_phase(self, phase: Any) -> None:
         if self._rt is not None:
             self._rt.heartbeat.set_phase(phase)
+            self._emit("phase", phase=phase.name, iteration=self.state.iteration)
+
+    def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
+        events = self._rt.events if self._rt is not None else None
+        if events is not None:
+            events.emit(kind, t_ns, **fields)
 
 
 def _drop_frames(exc: BaseException) -> None:

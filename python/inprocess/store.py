@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .engine import sockets
-from .processes.store_host import StoreHostProcess, spawn_store_host
+from .processes import store_host
+from .processes.contract import HelperProcess, StoreHostConfig
+from .processes.forked import fork_helper
 
 
 class StoreMixin:
@@ -91,14 +93,16 @@ class TCPStore(dist.TCPStore, StoreMixin):
         self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
-        self.host_process: Optional[StoreHostProcess] = None
+        self.host_process: Optional[HelperProcess] = None
         serve_here = self.is_host
         if self.is_host and host_process:
-            self.host_process = spawn_store_host(
-                port, world_size, idle_timeout_s=host_idle_timeout_s, use_libuv=use_libuv,
-                start_timeout_s=timeout.total_seconds(),
-            )
-            port, serve_here = self.host_process.port, False
+            config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
+                                     parent_pid=os.getpid(), libuv=bool(use_libuv))
+            # Forked, not exec'd: the rank has imported torch already, a fresh interpreter
+            # would import it again before the first barrier (processes/forked.py).
+            self.host_process = fork_helper(config, store_host.serve, ready_timeout_s=timeout.total_seconds(),
+                                            name="inprocess-store")
+            port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         try:
             super().__init__(
                 host_name,
@@ -166,5 +170,5 @@ def is_host(store: Any) -> bool:
     return bool(getattr(store, "is_host", False)) and host_process(store) is None
 
 
-def host_process(store: Any) -> Optional[StoreHostProcess]:
+def host_process(store: Any) -> Optional[HelperProcess]:
     return getattr(store, "host_process", None)

@@ -91,6 +91,10 @@ class Wrapper:
     - ``completion_timeout``: longest wait, after the function returned, for
       every other active rank to return too.
     - ``enabled=False`` returns the function untouched.
+    - ``events_dir`` (not in nvidia_resiliency_ext): every rank writes its
+      structured events (:mod:`inprocess.events`) to ``<dir>/rank<r>.jsonl``;
+      None (default) reads ``INPROCESS_EVENTS_DIR``, and without it writes
+      nothing. ``python -m inprocess.timeline DIR`` draws them.
     - ``rank_filter`` (deprecated in nvidia_resiliency_ext): refused with a
       ValueError that says what replaced it (filters in ``rank_assignment``).
     - ``node_agent`` (not in nvidia_resiliency_ext): one process per node
@@ -128,13 +132,15 @@ class Wrapper:
         terminate: Optional[Callable[[FrozenState], Any]] = None,
         enabled: bool = True,
         node_agent: Optional[bool] = None,
+        events_dir: Optional[str] = None,
         rank_filter: None = None,
     ):
         if rank_filter is not None:
             raise ValueError(
                 f"rank_filter={rank_filter!r}: not supported (nvidia_resiliency_ext deprecated it in favour of "
-                "rank_assignment); filter ranks in rank_assignment instead, e.g. Compose(MaxActiveWorldSize(n), ActivateAllRanks(), "
-                "ShiftRanks()), ActiveWorldSizeDivisibleBy(k), or Tree(layers, world_size_filter=...)"
+                "rank_assignment); filter ranks in rank_assignment instead, e.g. "
+                "Compose(MaxActiveWorldSize(n), ActivateAllRanks(), ShiftRanks()), "
+                "ActiveWorldSizeDivisibleBy(k), or Tree(layers, world_size_filter=...)"
             )
         self.enabled = check_bool("enabled", enabled)
         if node_agent is not None:
@@ -174,6 +180,7 @@ class Wrapper:
         )
         self.monitor_process_logfile = check_path("monitor_process_logfile", monitor_process_logfile)
         self.monitor_process_pidfile = check_path("monitor_process_pidfile", monitor_process_pidfile)
+        self.events_dir = check_path("events_dir", events_dir)
 
     def __call__(self, fn: F) -> F:
         if not self.enabled:

@@ -19,7 +19,7 @@ import sys
 import time
 
 from inprocess import _native
-from inprocess.processes.monitor import spawn_monitor
+from inprocess.processes.contract import HelperProcess, MonitorConfig
 
 plan = json.loads(sys.argv[1])
 page = _native.HeartbeatPage.create()
@@ -28,12 +28,14 @@ page.set_phase(getattr(_native.Phase, plan["phase"]))
 page.set_timeouts(0, int(plan["hard_timeout_s"] * 1e9))
 for name in plan.get("flags", []):
     page.set_flag(getattr(_native, name), True)
-monitor = spawn_monitor(
-    page, "127.0.0.1", plan["store_port"], plan["call"], plan["rank"], plan["grace_s"],
+config = MonitorConfig(
+    store_host="127.0.0.1", store_port=plan["store_port"], call=plan["call"], rank=plan["rank"],
+    heartbeat_fd=page.fd, pid=os.getpid(), grace_s=plan["grace_s"],
     world_size=plan.get("initial_world_size"), kill_wait_s=2.0, store_timeout_s=10.0,
     barrier_timeout_s=plan.get("barrier_timeout_s", 10.0), logfile=plan["logfile"], pidfile=plan["pidfile"],
-    heartbeat_interval_s=plan.get("heartbeat_interval_s", 0.0), log_level="DEBUG", env=dict(os.environ, INPROCESS_MONITOR_REPORT_MODULES="1"),
+    heartbeat_interval_s=plan.get("heartbeat_interval_s", 0.0), log_level="DEBUG",
 )
+monitor = HelperProcess.start(config, env=dict(os.environ, INPROCESS_MONITOR_REPORT_MODULES="1"))
 print(f"spawned {monitor.pid}", flush=True)
 action = plan["action"]
 if action == "early":

@@ -8,6 +8,12 @@ Every timeout has one meaning, and they nest::
 
 A value of the wrong type, a negative value or a broken order raises
 ``ValueError`` naming the keyword and the value.
+
+The keywords are ``timedelta``s, as in nvidia_resiliency_ext; below them every
+interface takes float seconds. Each wait the engine and its helper processes
+make is a named budget of :class:`Timeouts`, in seconds, so that no code reads
+a keyword to bound a wait of its own choosing (README, "Configuration and
+timeouts", has the same list).
 """
 
 from __future__ import annotations
@@ -39,8 +45,41 @@ def _fmt(td: datetime.timedelta) -> str:
     return f"{td.total_seconds():g}s"
 
 
+# A rank gives up on reaching its node agent after at most this long (then it
+# talks to the store directly); the agent waits as long for its first rank.
+AGENT_CONNECT_CAP_S = 30.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
+    """The Wrapper's timeout keywords, validated, and the budgets they give.
+
+    Budgets (float seconds; each bounds one wait, and is the only way to read it):
+
+    ``barrier_wait_s`` = barrier_timeout
+        a rank's wait for the decision at the initial and restart barriers,
+        and at the barrier where it counts itself out.
+    ``abort_wait_s`` = barrier_timeout
+        the main thread's wait for the abort (run on the restart trigger's
+        thread) to finish; past it the rank is terminated.
+    ``release_wait_s`` = barrier_timeout
+        the restart trigger's wait for the main thread to leave the function
+        after the abort; past it the rank counts itself out and exits 75.
+    ``monitor_store_op_s`` = barrier_timeout
+        the monitor process's deadline for each store operation and for
+        connecting to the store.
+    ``monitor_barrier_wait_s`` = barrier_timeout
+        the monitor's wait for a barrier's decision when it counts a rank out.
+    ``agent_store_op_s`` = barrier_timeout
+        the node agent's deadline for each store operation.
+    ``agent_connect_s`` = min(barrier_timeout, 30 s)
+        a rank's wait to reach its node agent (then it uses the store
+        directly), and the agent's wait for its first rank (then it exits).
+    ``store_host_idle_s`` = heartbeat_timeout
+        with the rank that started it gone, how long the store host serves
+        on without any monitor heartbeat before it decides the job is gone.
+    """
+
     monitor_thread_interval: datetime.timedelta
     monitor_process_interval: datetime.timedelta
     progress_watchdog_interval: datetime.timedelta
@@ -67,6 +106,38 @@ class Timeouts:
         t = cls(**values)
         t._check_order()
         return t
+
+    @property
+    def barrier_wait_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def abort_wait_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def release_wait_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def monitor_store_op_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def monitor_barrier_wait_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def agent_store_op_s(self) -> float:
+        return self.barrier_timeout.total_seconds()
+
+    @property
+    def agent_connect_s(self) -> float:
+        return min(self.barrier_timeout.total_seconds(), AGENT_CONNECT_CAP_S)
+
+    @property
+    def store_host_idle_s(self) -> float:
+        return self.heartbeat_timeout.total_seconds()
 
     def _check_order(self) -> None:
         def less(a: str, b: str) -> None:
@@ -120,4 +191,4 @@ def check_kwargs(name: str, value: Any) -> dict[str, Any]:
 def check_factory(name: str, value: Any) -> Callable[..., Any]:
     if not callable(value):
         raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a store class or factory")
-    return value  # type: ignore[no-any-return]
+    return value

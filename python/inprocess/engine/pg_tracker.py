@@ -66,6 +66,8 @@ def install() -> bool:
                 return result
             finally:
                 new = sockets.new_since(before)
+                for fd in sockets.accepted_by_older_listeners(new, before):
+                    del new[fd]
                 with _lock:
                     _sockets.update(new)
                     if result is not None:

@@ -11,8 +11,8 @@ the process environment the call changes (RANK, WORLD_SIZE, sys.excepthook).
 Opening order (each step's undo is pushed on the stack as it succeeds, so a
 failure half-way closes exactly what was opened)::
 
-    heartbeat page ► interrupter ► store (+ store host) ► process-group tracker
-    ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
+    event log ► heartbeat page ► interrupter ► store (+ store host) ► process-group
+    tracker ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
 
 Closing runs the other way round: the monitor is stopped first (it marks
 itself gone, so that its peers do not count this rank out), the heartbeat page
@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import subprocess
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -34,9 +32,10 @@ import torch.distributed as dist
 from .. import _native
 from .. import store as store_mod
 from ..control.node_link import NodeLayout, NodeLink, socket_name
-from ..control.protocol import RestartProtocol
+from ..control.protocol import RestartProtocol, done_key
+from ..events import EventLog
 from ..processes import store_host
-from ..processes.node_agent import spawn_node_agent
+from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig
 from ..state import State
 from . import pg_tracker, sockets
 from .interrupt import MainThreadInterrupter
@@ -67,7 +66,8 @@ class RankRuntime:
     protocol: RestartProtocol
     trigger: RestartTrigger
     watchdog: _native.Watchdog
-    monitor: Optional[subprocess.Popen[bytes]]
+    monitor: Optional[HelperProcess]
+    events: Optional[EventLog]  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
 
     def __init__(self, wrapper: Wrapper, state: State, call_index: int):
         self._w = wrapper
@@ -77,7 +77,7 @@ class RankRuntime:
         # The function's own rendezvous: a fresh client per iteration (open_iteration_store).
         self._user_client: Optional[dist.Store] = None
         self._user_sockets: dict[int, str] = {}
-        self._node_agent: Optional[subprocess.Popen[bytes]] = None
+        self._node_agent: Optional[HelperProcess] = None
 
     @classmethod
     def open(
@@ -112,6 +112,10 @@ class RankRuntime:
         stack = self._stack
         self._keep_environment()
 
+        self.events = EventLog.open(self._w.events_dir, self._state.initial_rank, self.call_index)
+        if self.events is not None:
+            stack.callback(self.events.close)
+
         self.heartbeat = _native.HeartbeatPage.create()
         stack.callback(self.heartbeat.close)
         self.heartbeat.set_timeouts(int(_seconds(t.soft_timeout) * 1e9), int(_seconds(t.hard_timeout) * 1e9))
@@ -142,7 +146,7 @@ class RankRuntime:
             trigger_protocol,
             self.interrupter,
             run_abort,
-            release_timeout=_seconds(t.barrier_timeout),
+            release_timeout=t.release_wait_s,
             leave=lambda iteration: leave_unreleasable(trigger_protocol, iteration),
         )
         stack.callback(self.trigger.stop)
@@ -173,7 +177,7 @@ class RankRuntime:
         store_kwargs = dict(self._w.store_kwargs)
         if self._w.store_factory is store_mod.TCPStore:
             # An orphaned store host waits one heartbeat_timeout of silence before it decides the job is gone.
-            store_kwargs.setdefault("host_idle_timeout_s", _seconds(self._w.timeouts.heartbeat_timeout))
+            store_kwargs.setdefault("host_idle_timeout_s", self._w.timeouts.store_host_idle_s)
         store = self._w.store_factory(**store_kwargs)
         if store_mod.host_process(store) is not None:
             # The store host exits when this call is done: tell it which call that is.
@@ -199,43 +203,40 @@ class RankRuntime:
             raise ValueError(f"Wrapper(node_agent=True): the node agent speaks TCPStore only, the store is "
                              f"{type(store).__name__}")
         t = self._w.timeouts
-        connect_timeout = min(_seconds(t.barrier_timeout), 30.0)
         if layout.local_rank == 0:
-            self._node_agent = spawn_node_agent(
-                store.host, store.port, self.call_index, layout,
-                store_timeout_s=_seconds(t.barrier_timeout), connect_timeout_s=connect_timeout,
-            )
+            self._node_agent = HelperProcess.start(NodeAgentConfig(
+                store_host=store.host, store_port=store.port, call=self.call_index, node=layout.node,
+                slots=layout.local_world_size, store_timeout_s=t.agent_store_op_s, connect_timeout_s=t.agent_connect_s,
+            ))
         name = socket_name(store.host, store.port, self.call_index, layout.node)
         try:
-            return NodeLink.connect(name, layout.local_rank, connect_timeout)
+            return NodeLink.connect(name, layout.local_rank, t.agent_connect_s)
         except (TimeoutError, OSError, RuntimeError) as e:
             log.warning("rank %d: no node agent (%s): this rank talks to the store directly",
                         self._state.initial_rank, e)
             return None
 
-    def _spawn_monitor(self) -> Optional[subprocess.Popen[bytes]]:
+    def _spawn_monitor(self) -> Optional[HelperProcess]:
         """The per-rank monitor process: sees this rank's death through a pidfd,
         enforces hard_timeout, and reports for the rank when it cannot."""
         store = self.store
         if not isinstance(store, dist.TCPStore):
             log.info("no monitor process: it speaks TCPStore only (store is %s)", type(store).__name__)
             return None
-        from ..processes.monitor import spawn_monitor
-
         t = self._w.timeouts
-        return spawn_monitor(
-            self.heartbeat, store.host, store.port, self.call_index, self._state.initial_rank,
-            _seconds(t.termination_grace_time),
-            world_size=self._state.initial_world_size,
-            barrier_timeout_s=_seconds(t.barrier_timeout),
-            store_timeout_s=_seconds(t.barrier_timeout),
+        return HelperProcess.start(MonitorConfig(
+            store_host=store.host, store_port=store.port, call=self.call_index, rank=self._state.initial_rank,
+            heartbeat_fd=self.heartbeat.fd, pid=os.getpid(), world_size=self._state.initial_world_size,
+            grace_s=_seconds(t.termination_grace_time),
+            store_timeout_s=t.monitor_store_op_s,
+            barrier_timeout_s=t.monitor_barrier_wait_s,
             heartbeat_interval_s=_seconds(t.heartbeat_interval),
             heartbeat_timeout_s=_seconds(t.heartbeat_timeout),
             logfile=self._w.monitor_process_logfile,
             pidfile=self._w.monitor_process_pidfile,
             # Without a log file the monitor shares the rank's stderr: warnings only.
             log_level="INFO" if self._w.monitor_process_logfile else "WARNING",
-        )
+        ))
 
     # -- per iteration --------------------------------------------------------
 
@@ -289,18 +290,10 @@ class RankRuntime:
 
     def _stop_monitor(self) -> None:
         monitor, self.monitor = self.monitor, None
-        if monitor is None or monitor.poll() is not None:
-            return
-        # Stopped on purpose: the monitor only marks its heartbeat gone (so
-        # that its peers do not count this rank out). SIGCONT first: a frozen
-        # monitor would not see the SIGTERM.
-        monitor.send_signal(signal.SIGCONT)
-        monitor.terminate()
-        try:
-            monitor.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            monitor.kill()
-            monitor.wait()
+        if monitor is not None:
+            # Stopped on purpose: the monitor only marks its heartbeat gone (so
+            # that its peers do not count this rank out).
+            monitor.stop()
 
     def _close_node_link(self) -> None:
         link, self.node_link = self.node_link, None
@@ -316,6 +309,12 @@ class RankRuntime:
         pg_tracker.release_groups()
         sys.excepthook = saved_excepthook
 
+    def _call_is_done(self) -> bool:
+        try:
+            return bool(self.store.check([done_key(self.call_index)]))
+        except Exception:  # the server went away: so did the call
+            return True
+
     def _wait_for_the_other_ranks(self) -> None:
         """Whoever serves the store keeps serving until every rank left the call."""
         from ..state import Mode
@@ -323,6 +322,9 @@ class RankRuntime:
         terminated = self._state.mode == Mode.TERMINATED
         host = store_mod.host_process(self.store)
         completion_timeout = _seconds(self._w.timeouts.completion_timeout)
+        if host is not None and terminated and self._call_is_done():
+            # The job ended with this rank's leaving: the store host is exiting, reap it.
+            host.wait_exit(completion_timeout)
         if host is not None and not terminated:
             # The store host exits once the last rank left; a terminated rank
             # leaves at once (the host outlives it, that is its purpose).

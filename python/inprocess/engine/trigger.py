@@ -110,6 +110,11 @@ class RestartTrigger:
                 continue
             outcome.detected_ns = time.monotonic_ns()
             log.debug("iteration %d: event %s", outcome.iteration, outcome.event)
+            if self._stopping:
+                # The rank is leaving (or the call is over): a restart it asked for
+                # on its way out is for the others to act on, not for this rank.
+                outcome.done.set()
+                return
             if outcome.event == RESTART:
                 self._interrupter.fire(f"iteration {outcome.iteration} restarts")
                 try:
@@ -117,7 +122,8 @@ class RestartTrigger:
                 except BaseException as e:
                     outcome.abort_error = e
                 outcome.aborted_ns = time.monotonic_ns()
-                log.debug("iteration %d: abort done (%.1f ms)", outcome.iteration, (outcome.aborted_ns - outcome.detected_ns) / 1e6)
+                log.debug("iteration %d: abort done (%.1f ms)", outcome.iteration,
+                          (outcome.aborted_ns - outcome.detected_ns) / 1e6)
                 outcome.done.set()
                 self._escalate_if_stuck(outcome.iteration)
                 continue

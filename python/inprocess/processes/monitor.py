@@ -1,7 +1,8 @@
 """The monitor process: one per rank, spawned, watching the rank from outside.
 
-Run as ``python -m inprocess.processes.monitor ...`` (see :func:`spawn_monitor`, which
-the rank process calls). The monitor
+Run as ``python -m inprocess.processes.monitor`` or ``inprocess-monitor``, with the
+options of :class:`inprocess.processes.contract.MonitorConfig` (the rank starts it
+with :meth:`~inprocess.processes.contract.HelperProcess.start`). The monitor
 
 - sees the rank's death at once through a pidfd (no poll interval),
 - enforces the hard timeout written on the rank's heartbeat page
@@ -38,83 +39,29 @@ rank decides what to do with it; the monitor follows the rank.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
+from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
 from ..state import Mode
+from .contract import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, MonitorConfig, StopRequest, run_helper
 
-EXIT_OK = 0
-EXIT_USAGE = 2
 EXIT_STORE = 3
-EXIT_INTERNAL = 4
 EXIT_UNKILLABLE = 5
 
-_NS = 1_000_000_000
-_FOREVER_NS = 10 * 365 * 24 * 3600 * _NS
+_FOREVER_S = 10 * 365 * 24 * 3600.0
+_MARK_GONE_CONNECT_S = 2.0  # a monitor that must reconnect to say it leaves does not wait longer
 _FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
 _BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
 
 log = logging.getLogger("inprocess.processes.monitor")
-
-
-# -- command line -------------------------------------------------------------
-
-
-def _positive(kind: type, name: str, allow_zero: bool = False):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
-        if value < 0 or (value == 0 and not allow_zero) or value != value:
-            bound = ">= 0" if allow_zero else "> 0"
-            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {text!r}")
-        return value
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m inprocess.processes.monitor",
-        description="Watch one rank of an inprocess job: record its death in the store, enforce its hard timeout.",
-    )
-    p.add_argument("--store-host", required=True, help="TCPStore server host")
-    p.add_argument("--store-port", required=True, type=_positive(int, "--store-port"), help="TCPStore server port")
-    p.add_argument("--call", required=True, type=_positive(int, "--call", True), help="wrapped call index (key prefix)")
-    p.add_argument("--rank", required=True, type=_positive(int, "--rank", True), help="initial rank of the watched rank")
-    p.add_argument("--heartbeat-fd", required=True, type=_positive(int, "--heartbeat-fd", True),
-                   help="inherited fd of the rank's heartbeat page")
-    p.add_argument("--pid", required=True, type=_positive(int, "--pid"), help="pid of the rank process")
-    p.add_argument("--grace-s", required=True, type=_positive(float, "--grace-s", True),
-                   help="SIGTERM -> SIGKILL grace after a hard timeout (termination_grace_time)")
-    p.add_argument("--kill-wait-s", type=_positive(float, "--kill-wait-s"), default=5.0,
-                   help="after SIGKILL, how long to wait to see the death (default 5)")
-    p.add_argument("--world-size", type=_positive(int, "--world-size"), default=None,
-                   help="initial world size: lets the monitor arrive at barrier 0 for a rank that died before it")
-    p.add_argument("--store-timeout-s", type=_positive(float, "--store-timeout-s"), default=60.0,
-                   help="deadline of every store operation (default 60)")
-    p.add_argument("--barrier-timeout-s", type=_positive(float, "--barrier-timeout-s"), default=120.0,
-                   help="how long to wait for a barrier decision the rank took part in (default 120)")
-    p.add_argument("--heartbeat-interval-s", type=_positive(float, "--heartbeat-interval-s", True), default=0.0,
-                   help="add 1 to inprocess/<call>/monitors/<rank> this often (0: off, the default)")
-    p.add_argument("--heartbeat-timeout-s", type=_positive(float, "--heartbeat-timeout-s", True), default=0.0,
-                   help="count a peer out when its monitor's counter stood still this long (0: off, the default)")
-    p.add_argument("--logfile", default=None, help="append the log here (default: stderr)")
-    p.add_argument("--pidfile", default=None,
-                   help="written with the monitor's pid once it watches the rank; removed on every exit")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p
 
 
 # -- the rank's process, seen from outside -------------------------------------
@@ -203,7 +150,7 @@ class PeerWatch:
         if store.check(keys):
             self.exists.update(missing)
             return
-        for peer, key in zip(missing, keys):
+        for peer, key in zip(missing, keys, strict=True):
             if store.check([key]):
                 self.exists.add(peer)
 
@@ -216,7 +163,7 @@ class PeerWatch:
         values = store.multi_get([monitor_heartbeat_key(self.call, p) for p in peers])
         now = time.monotonic()
         lost = []
-        for peer, raw in zip(peers, values):
+        for peer, raw in zip(peers, values, strict=True):
             value = int(raw)
             if value >= HEARTBEAT_GONE:
                 self.done.add(peer)
@@ -230,9 +177,15 @@ class PeerWatch:
         return lost
 
 
+def _ns(seconds: float) -> int:
+    """Seconds as the nanoseconds of the native guard's interface (its only unit)."""
+    return int(seconds * 1_000_000_000)
+
+
 class Monitor:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: MonitorConfig, stop: StopRequest):
         self.args = args
+        self.stop = stop  # set by SIGTERM/SIGHUP, or by the guard's waiter once the guard has an event
         self.rank: int = args.rank
         self.pid: int = args.pid
         self.page: Optional[_native.HeartbeatPage] = None
@@ -250,9 +203,7 @@ class Monitor:
     # store ------------------------------------------------------------------
 
     def _connect(self) -> Any:
-        from ..control.tcpstore_client import TCPStoreClient
-
-        timeout = datetime.timedelta(seconds=self.args.store_timeout_s)
+        timeout = self.args.store_timeout_s
         return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout)
 
     @property
@@ -281,6 +232,7 @@ class Monitor:
                 store = None
             if self._stop_heartbeat.wait(self.args.heartbeat_interval_s):
                 break
+        self._mark_gone(store)
         if store is not None:
             store.close()
 
@@ -306,25 +258,25 @@ class Monitor:
 
         threading.Thread(target=run, name=f"inprocess-monitor-lost-{peer}", daemon=True).start()
 
-    def _mark_gone(self) -> None:
-        """Tell the peers' monitors that this one stops on purpose (not lost)."""
-        if self.args.heartbeat_interval_s <= 0:
-            return
+    def _mark_gone(self, store: Any) -> None:
+        """Tell the peers' monitors that this one stops on purpose (not lost), on
+        the heartbeat's own connection (a new one if it had none): at the end of
+        a job the store host may be gone already, and then there is nobody left
+        to tell, which is no reason to wait or to warn."""
         try:
-            with self._connect() as store:
-                store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+            if store is None:
+                timeout = min(self.args.store_timeout_s, _MARK_GONE_CONNECT_S)
+                store = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
+                                       connect_timeout=timeout)
+            store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+        except StoreConnectionError as e:
+            log.info("the store is gone (the job is over): nothing to mark (%s)", e)
         except Exception as e:
             log.warning("could not mark this monitor gone in the store: %s: %s", type(e).__name__, e)
 
     # lifecycle ----------------------------------------------------------------
 
     def run(self) -> int:
-        # SIGTERM/SIGHUP (stop) and SIGUSR1 (the guard has an event) are taken
-        # with sigwait in the main thread; blocked before any thread starts so
-        # that every thread inherits the mask and none runs a handler.
-        stop_signals = {signal.SIGTERM, signal.SIGHUP}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals | {signal.SIGUSR1})
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         original_parent = os.getppid()
         try:
             self.page = _native.HeartbeatPage.attach(self.args.heartbeat_fd)
@@ -348,11 +300,10 @@ class Monitor:
             log.warning("rank %d (pid %d) died before its monitor started", self.rank, self.pid)
             return self.handle_death(None)
         self.guard = _native.HardTimeoutGuard(
-            self.page.fd, self.pidfd, int(self.args.grace_s * _NS), int(self.args.kill_wait_s * _NS)
+            self.page.fd, self.pidfd, _ns(self.args.grace_s), _ns(self.args.kill_wait_s)
         )
         self.guard.start()
-        main = threading.get_ident()
-        waiter = threading.Thread(target=self._wait_guard, args=(main,), name="inprocess-monitor-guard", daemon=True)
+        waiter = threading.Thread(target=self._wait_guard, name="inprocess-monitor-guard", daemon=True)
         waiter.start()
         if self.args.heartbeat_interval_s > 0:
             self._heartbeat_thread = threading.Thread(
@@ -363,9 +314,9 @@ class Monitor:
             # Written once the rank is watched: the file's existence means so.
             _write_pidfile(self.args.pidfile)
         log.info("watching rank %d (pid %d), phase %s", self.rank, self.pid, snap.phase.name)
-        sig = signal.sigwait(stop_signals | {signal.SIGUSR1})
-        if sig != signal.SIGUSR1:
-            log.info("stopped by %s; rank %d (pid %d) left as it is", signal.Signals(sig).name, self.rank, self.pid)
+        self.stop.wait()
+        if self.stop.signal is not None:
+            log.info("stopped by %s; rank %d (pid %d) left as it is", self.stop.signal.name, self.rank, self.pid)
             return EXIT_OK
         waiter.join()
         if self._event is None:
@@ -373,20 +324,19 @@ class Monitor:
             return EXIT_INTERNAL
         return self.handle_event(self._event)
 
-    def _wait_guard(self, main: int) -> None:
+    def _wait_guard(self) -> None:
         assert self.guard is not None
         try:
-            self._event = self.guard.wait_event(_FOREVER_NS)
+            self._event = self.guard.wait_event(_ns(_FOREVER_S))
         finally:
-            signal.pthread_kill(main, signal.SIGUSR1)
+            self.stop.set()
 
     def close(self) -> None:
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(self.args.store_timeout_s)
-            self._mark_gone()
+            self._heartbeat_thread.join(self.args.store_timeout_s)  # it marks this monitor gone on its way out
         if self.guard is not None:
-            self.guard.stop(int(self.args.kill_wait_s * _NS) + int(self.args.grace_s * _NS) + _NS)
+            self.guard.stop(_ns(self.args.kill_wait_s + self.args.grace_s + 1.0))
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
@@ -485,7 +435,7 @@ class Monitor:
         return barrier
 
 
-# -- entry points ---------------------------------------------------------------
+# -- entry point -----------------------------------------------------------------
 
 
 def _write_pidfile(path: str) -> None:
@@ -505,87 +455,25 @@ def _remove_pidfile(path: str) -> None:
         pass
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: logging.Handler
-    handler = logging.FileHandler(args.logfile) if args.logfile else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s inprocess.processes.monitor[rank {args.rank}, pid %(process)d] %(levelname)s %(message)s"
-    ))
-    log.addHandler(handler)
-    log.setLevel(args.log_level)
-    log.propagate = False
-    monitor = Monitor(args)
+def _serve(config: MonitorConfig, stop: StopRequest) -> int:
+    monitor = Monitor(config, stop)
     try:
         return monitor.run()
-    except Exception:
-        log.exception("monitor of rank %d failed", args.rank)
-        return EXIT_INTERNAL
     finally:
         try:
             monitor.close()
         finally:
-            if args.pidfile:
-                _remove_pidfile(args.pidfile)
+            if config.pidfile:
+                _remove_pidfile(config.pidfile)
             if os.environ.get("INPROCESS_MONITOR_REPORT_MODULES"):
                 # Test hook: proves that no torch was imported.
                 log.info("modules: torch=%s", "torch" in sys.modules)
-            handler.close()
 
 
-def spawn_monitor(
-    heartbeat: _native.HeartbeatPage,
-    store_host: str,
-    store_port: int,
-    call: int,
-    rank: int,
-    grace_s: float,
-    *,
-    world_size: Optional[int] = None,
-    kill_wait_s: float = 5.0,
-    store_timeout_s: float = 60.0,
-    barrier_timeout_s: float = 120.0,
-    heartbeat_interval_s: float = 0.0,
-    heartbeat_timeout_s: float = 0.0,
-    logfile: Optional[str] = None,
-    pidfile: Optional[str] = None,
-    log_level: str = "INFO",
-    env: Optional[dict[str, str]] = None,
-) -> subprocess.Popen:
-    """Start the monitor of this process (the rank): fork + exec of a fresh interpreter.
-
-    The heartbeat page's fd is the only descriptor passed on. The monitor stays
-    in the rank's session and process group. The caller owns the returned
-    handle: it must ``terminate()`` and ``wait()`` it when the rank stops
-    needing it (or let it exit by itself when the rank exits).
-    """
-    argv = [
-        sys.executable, "-m", "inprocess.processes.monitor",
-        "--store-host", store_host, "--store-port", str(store_port),
-        "--call", str(call), "--rank", str(rank),
-        "--heartbeat-fd", str(heartbeat.fd), "--pid", str(os.getpid()),
-        "--grace-s", repr(float(grace_s)), "--kill-wait-s", repr(float(kill_wait_s)),
-        "--store-timeout-s", repr(float(store_timeout_s)), "--barrier-timeout-s", repr(float(barrier_timeout_s)),
-        "--heartbeat-interval-s", repr(float(heartbeat_interval_s)),
-        "--heartbeat-timeout-s", repr(float(heartbeat_timeout_s)), "--log-level", log_level,
-    ]
-    if world_size is not None:
-        argv += ["--world-size", str(world_size)]
-    if logfile is not None:
-        argv += ["--logfile", logfile]
-    if pidfile is not None:
-        argv += ["--pidfile", pidfile]
-    return subprocess.Popen(
-        argv, pass_fds=[heartbeat.fd], stdin=subprocess.DEVNULL, start_new_session=False, env=env
-    )
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """``inprocess-monitor`` and ``python -m inprocess.processes.monitor``."""
+    run_helper(MonitorConfig, _serve, argv)
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is closed and flushed by now. A thread may still be blocked in
-    # the native guard's wait_event: interpreter finalization would destroy the
-    # guard under it (and abort in a std::thread destructor, seen on SIGTERM),
-    # so the monitor leaves without finalizing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    main()

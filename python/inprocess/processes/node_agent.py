@@ -27,31 +27,33 @@ the agent gone (its pid) goes on with the direct protocol: the store counts
 direct and forwarded arrivals alike.
 
 This module imports no torch: the agent is a small process (like a monitor).
+Run as ``python -m inprocess.processes.node_agent`` or ``inprocess-node-agent``,
+with the options of :class:`inprocess.processes.contract.NodeAgentConfig` (the
+node's local rank 0 starts it with
+:meth:`~inprocess.processes.contract.HelperProcess.start`). Exit codes: 0 every
+rank left (or none came), or told to stop; 1 its socket's name is taken; 2 bad
+arguments; 4 internal error.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import selectors
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from .. import _native
-from ..control.node_link import HELLO, NodeLayout, socket_name
+from ..control.node_link import HELLO, socket_name
 from ..control.protocol import COMPLETE, RestartProtocol
+from .contract import EXIT_OK, NodeAgentConfig, StopRequest, run_helper
 
 log = logging.getLogger("inprocess.processes.node_agent")
 
 DECISION_CAPACITY = 1 << 20  # a decision holds at most 32 fault records: far below this
-EXIT_USAGE = 2
+EXIT_NO_SOCKET = 1
 
 
 class NodeRelay:
@@ -110,11 +112,11 @@ class NodeRelay:
 class NodeAgent:
     """The agent process: the board, the socket that hands it out, two relay threads."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: NodeAgentConfig, stop: StopRequest):
         self.args = args
         self.board = _native.NodeBoard.create(args.slots, DECISION_CAPACITY)
         self.relay = NodeRelay(self.board)
-        self.stop = threading.Event()
+        self.stop = stop  # set by SIGTERM/SIGINT/SIGHUP, or when a relay thread fails
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
 
     def _protocol(self) -> RestartProtocol:
@@ -162,8 +164,8 @@ class NodeAgent:
         try:
             self.listener.bind(socket_name(args.store_host, args.store_port, args.call, args.node))
         except OSError as e:
-            print(f"node agent {args.node}: cannot bind its socket: {e}", file=sys.stderr)
-            return 1
+            log.error("node agent %s: cannot bind its socket: %s", args.node, e)
+            return EXIT_NO_SOCKET
         self.listener.listen(max(16, args.slots * 2))
         self.listener.setblocking(False)
         forward = self._run_thread("forward", self._forward_loop)
@@ -211,55 +213,17 @@ class NodeAgent:
         forward.join(timeout=2.0)
         sel.close()
         self.listener.close()
-        return 0
+        return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m inprocess.processes.node_agent", description=__doc__.splitlines()[0])
-    ap.add_argument("--store-host", required=True)
-    ap.add_argument("--store-port", type=int, required=True)
-    ap.add_argument("--call", type=int, required=True)
-    ap.add_argument("--node", required=True)
-    ap.add_argument("--slots", type=int, required=True, help="ranks on this node (LOCAL_WORLD_SIZE)")
-    ap.add_argument("--store-timeout-s", type=float, default=120.0)
-    ap.add_argument("--connect-timeout-s", type=float, default=120.0)
-    ap.add_argument("--log-level", default="WARNING")
-    return ap
+def serve(config: NodeAgentConfig, stop: StopRequest) -> int:
+    return NodeAgent(config, stop).serve()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    for name in ("store_port", "slots", "store_timeout_s", "connect_timeout_s"):
-        if getattr(args, name) <= 0:
-            print(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive value", file=sys.stderr)
-            return EXIT_USAGE
-    if args.call < 0:
-        print(f"--call={args.call}: expected a non-negative integer", file=sys.stderr)
-        return EXIT_USAGE
-    agent = NodeAgent(args)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: agent.stop.set())
-    return agent.serve()
-
-
-def spawn_node_agent(
-    store_host: str, store_port: int, call: int, layout: NodeLayout, *,
-    store_timeout_s: float, connect_timeout_s: float,
-) -> "subprocess.Popen[bytes]":
-    """Start the agent of this node (by its local rank 0): fork + exec of a fresh interpreter."""
-    argv = [
-        sys.executable, "-m", "inprocess.processes.node_agent", "--store-host", store_host, "--store-port", str(store_port),
-        "--call", str(call), "--node", layout.node, "--slots", str(layout.local_world_size),
-        "--store-timeout-s", repr(float(store_timeout_s)), "--connect-timeout-s", repr(float(connect_timeout_s)),
-    ]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-
-
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """``inprocess-node-agent`` and ``python -m inprocess.processes.node_agent``."""
+    run_helper(NodeAgentConfig, serve, argv)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    main()

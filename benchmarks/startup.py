@@ -1,0 +1,121 @@
+"""What entering and leaving a wrapped call costs: inprocess against the bare
+function and against nvidia_resiliency_ext, in one run.
+
+    python benchmarks/startup.py [--samples 10] [--ranks 1,4] [--nvrx-python PATH]
+
+Each sample launches fresh rank processes (benchmarks/startup_worker.py); the
+ranks meet on a plain TCPStore first, then call at the same moment, so what is
+measured is the library, not the launcher's skew. Reported per library and
+world size, over the samples (the slowest rank of each sample):
+
+* entry: from the call to the first line of the function (store, helper
+  processes, the initial barrier);
+* exit: from the function's return to the call's return;
+* soft timeout (one rank): from the call to the RestartAbort of a job whose
+  only rank stops making progress, soft_timeout 1 s, RetryController(max_iterations=1).
+
+``--nvrx-python`` names an interpreter that has nvidia_resiliency_ext
+installed (it must be able to import torch too); without it, the NVRx rows are
+left out. Rows are printed as each finishes; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from typing import Any, Optional
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "startup_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_once(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
+    """One job; every rank reaped on every path (each in its own process group)."""
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), STARTUP_LIBRARY=library, STARTUP_SCENARIO=scenario,
+                       TORCH_CPP_LOG_LEVEL="ERROR")
+            procs.append(subprocess.Popen([python, str(WORKER)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            lines = [line for line in out.splitlines() if line.startswith("STARTUP ")]
+            if not lines:
+                raise RuntimeError(f"{library} ({world_size} ranks, {scenario}): a rank reported nothing "
+                                   f"(exit {p.returncode}): {err[-2000:]}")
+            results.append(json.loads(lines[-1][len("STARTUP "):]))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "max": ordered[-1], "min": ordered[0], "n": len(ordered)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--ranks", default="1,4", help="world sizes, comma separated")
+    ap.add_argument("--nvrx-python", default=None, help="an interpreter with nvidia_resiliency_ext installed")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per job, seconds")
+    args = ap.parse_args(argv)
+    if args.samples < 1:
+        ap.error(f"--samples={args.samples}: expected >= 1")
+    sizes = [int(s) for s in args.ranks.split(",")]
+    libraries = [("bare", sys.executable, "bare"), ("inprocess", sys.executable, "inprocess")]
+    if args.nvrx_python:
+        libraries.append(("nvrx", args.nvrx_python, "nvidia_resiliency_ext.inprocess"))
+    rows: dict[str, Any] = {}
+    print(f"{'library':<10} {'ranks':>5} {'entry p50':>10} {'entry max':>10} {'exit p50':>9} {'exit max':>9}  (ms)")
+    for world_size in sizes:
+        samples: dict[str, dict[str, list[float]]] = {name: {"entry": [], "exit": []} for name, _, _ in libraries}
+        for _ in range(args.samples):
+            for name, python, library in libraries:  # alternated: the machine's noise hits all alike
+                ranks = run_once(python, library, world_size, "return", args.timeout)
+                samples[name]["entry"].append(max(r["entry_ms"] for r in ranks))
+                samples[name]["exit"].append(max(r["exit_ms"] for r in ranks))
+        for name, _, _ in libraries:
+            entry, exit_ = summary(samples[name]["entry"]), summary(samples[name]["exit"])
+            rows[f"{name}/{world_size}"] = {"entry_ms": entry, "exit_ms": exit_}
+            print(f"{name:<10} {world_size:>5} {entry['p50']:>10.1f} {entry['max']:>10.1f} "
+                  f"{exit_['p50']:>9.1f} {exit_['max']:>9.1f}", flush=True)
+    print(f"\n{'library':<10} soft timeout (1 rank, soft_timeout=1 s): call -> RestartAbort, ms")
+    for name, python, library in libraries[1:]:
+        totals = []
+        for _ in range(max(1, args.samples // 2)):
+            (rank,) = run_once(python, library, 1, "soft_timeout", args.timeout)
+            if rank["outcome"] != "RestartAbort":
+                raise RuntimeError(f"{name}: the soft-timeout job ended with {rank['outcome']}")
+            totals.append(rank["total_ms"])
+        rows[f"{name}/soft_timeout"] = summary(totals)
+        s = rows[f"{name}/soft_timeout"]
+        print(f"{name:<10} p50 {s['p50']:.0f}, max {s['max']:.0f} (n={s['n']})", flush=True)
+    print(json.dumps({"benchmark": "startup", "samples": args.samples, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
