@@ -1,7 +1,7 @@
 """Control-plane simulator: one restart of N simulated ranks against one TCPStore.
 
 Runs the library's own store protocol (:class:`inprocess.control.protocol.RestartProtocol`,
-:func:`inprocess.control.protocol.decide` and the node agent's
+:func:`inprocess.rank_assignment.decide` and the node agent's
 :class:`inprocess.processes.node_agent.NodeRelay` over real
 :class:`inprocess._native.NodeBoard` boards; imported, not copied) for N
 simulated ranks and reports, per N, how long the restart's control plane takes
@@ -198,11 +198,10 @@ from inprocess.control.protocol import (
     Decision,
     FaultRecord,
     RestartProtocol,
-    decide,
     monitor_heartbeat_key,
 )
 from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
-from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
+from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
 HOST = "127.0.0.1"
 WATCHED_PEERS = 8  # peers whose heartbeat counters each monitor reads per interval (inprocess.processes.monitor)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink, socket_name
-from inprocess.control.protocol import RestartProtocol, decide
+from inprocess.control.protocol import RestartProtocol
 from inprocess.processes.contract import HelperProcess, NodeAgentConfig
-from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
+from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 
 def main() -> None:

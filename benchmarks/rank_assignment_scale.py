@@ -1,10 +1,13 @@
 """Leader-side cost of one rank-assignment decision at 16,384 ranks with 1,024 lost.
 
-Every decision goes through :func:`inprocess.rank_assignment.run_assignment`,
-as the restart leader runs it (copy of the previous table, termination of the
-lost ranks, the assignment, ``Membership.validate``). Each row is the median
-of ``--repeat`` runs (min and max alongside); the machine is shared, so
-compare rows of one run, not runs::
+Every job-wide decision goes through :func:`inprocess.rank_assignment.run_job_wide`,
+as the restart leader runs it (copy of the previous table, the assignment, the
+consistency checks). ``per-rank`` rows add a pass-through per-rank hook to the
+composition, so the leader runs it for every rank on the agreed inputs
+(:func:`inprocess.rank_assignment.decision.run_per_rank`); ``verify`` is what
+each rank then pays to check its own row. Each row is the median of
+``--repeat`` runs (min and max alongside); the machine is shared, so compare
+rows of one run, not runs::
 
     python benchmarks/rank_assignment_scale.py
     python benchmarks/rank_assignment_scale.py --n 4096 --lost 256 --repeat 31
@@ -22,8 +25,8 @@ the Wrapper gathers them (``local_keys`` on every rank, once).
 
 ``cold`` rows use a new Tree, which first builds its tree from the keys;
 ``restart`` rows reuse it, as the leader does from the second restart on
-(the keys never change during a job). ``inferred`` is the engine's context
-today (no previous table); ``exact`` also passes ``ctx.previous``.
+(the keys never change during a job). ``simple`` and ``per-rank`` rows start
+from the decision of iteration 0 and lose the same random ranks.
 The last line is one JSON object with every median.
 """
 
@@ -42,8 +45,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from inprocess import Compose  # noqa: E402
-from inprocess.control.membership import TERMINATED, Membership  # noqa: E402
+from inprocess import Compose, FrozenState  # noqa: E402
+from inprocess.control.membership import ACTIVE, TERMINATED, Membership  # noqa: E402
+from inprocess.control.protocol import Decision  # noqa: E402
 from inprocess.rank_assignment import (  # noqa: E402
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
@@ -52,42 +56,42 @@ from inprocess.rank_assignment import (  # noqa: E402
     Layer,
     LayerFlag,
     MaxActiveWorldSize,
+    RankAssignment,
     RankAssignmentCtx,
     ShiftRanks,
     Topology,
     Tree,
+    initial_membership,
     key_gathering_leaves,
-    run_assignment,
+    run_job_wide,
 )
+from inprocess.rank_assignment.agreed import AgreedInputs  # noqa: E402
+from inprocess.rank_assignment.consistency import check_membership  # noqa: E402
+from inprocess.rank_assignment.decision import run_per_rank, verify_own_row  # noqa: E402
 
 PER_NODE = 8
 PER_RACK = 512
 RESERVE, BACKFILL = LayerFlag.RESERVE, LayerFlag.BACKFILL
 
 
-def node_key(rank: int, world_size: int) -> str:
-    return f"node{rank // PER_NODE}"
+def node_key(state: FrozenState) -> str:
+    return f"node{state.initial_rank // PER_NODE}"
 
 
-def rack_key(rank: int, world_size: int) -> str:
-    return f"rack{rank // PER_RACK}"
+def rack_key(state: FrozenState) -> str:
+    return f"rack{state.initial_rank // PER_RACK}"
 
 
 def gather(ra: Any, n: int) -> Topology:
     owners = key_gathering_leaves(ra)
-    return Topology(owners, [[o.local_keys(r, n) for r in range(n)] for o in owners])
+    return Topology(owners, [[o.local_keys(FrozenState(rank=r, world_size=n)) for r in range(n)] for o in owners])
 
 
-def run_exact(ra: Any, previous: Membership, lost: set[int], iteration: int, topo: Topology) -> Membership:
-    """run_assignment with the previous table in the context (the interface Tree is exact with)."""
-    membership = previous.copy()
-    membership.terminate(lost)
-    ctx = RankAssignmentCtx(membership, set(lost), iteration, topo)
-    ctx.previous = previous  # type: ignore[attr-defined]
-    ctx = ra(ctx) or ctx
-    newly = {r for r, m in enumerate(ctx.membership.mode) if m == TERMINATED and previous.mode[r] != TERMINATED}
-    ctx.membership.validate(previous, newly)
-    return ctx.membership
+class PassThrough(RankAssignment):
+    """A per-rank hook that changes nothing: it makes the Wrapper run the composition per rank."""
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        return ctx
 
 
 def measure(fn: Callable[[], Membership], repeat: int) -> tuple[list[float], Membership]:
@@ -101,101 +105,156 @@ def measure(fn: Callable[[], Membership], repeat: int) -> tuple[list[float], Mem
     return times, out
 
 
+class Bench:
+    """The rows of one run: each a named decision, measured ``repeat`` times."""
+
+    def __init__(self, n: int, n_lost: int, repeat: int, seed: int):
+        self.n, self.n_lost, self.repeat = n, n_lost, repeat
+        rng = random.Random(seed)
+        self.lost_random = set(rng.sample(range(n), n_lost))
+        self.lost_nodes: set[int] = set()
+        for node in rng.sample(range(n // PER_NODE - n_lost // PER_NODE), n_lost // PER_NODE):
+            self.lost_nodes.update(range(node * PER_NODE, (node + 1) * PER_NODE))  # among the running nodes
+        self.everyone = initial_membership(n)
+        self.rows: list[tuple[str, list[float], Membership]] = []
+
+    def row(self, name: str, fn: Callable[[], Membership]) -> None:
+        times, out = measure(fn, self.repeat)
+        self.rows.append((name, times, out))
+        print(f"  {name}: {statistics.median(times):.2f} ms", file=sys.stderr, flush=True)
+
+    def floor(self) -> None:
+        """What run_job_wide costs around any assignment (copy, consistency checks)."""
+        all_active = Membership.all_active(self.n)
+
+        def floor() -> Membership:
+            m = all_active.copy()
+            check_membership(m, m.active_world_size, all_active, set())
+            return m
+
+        self.row("floor: copy + check", floor)
+
+    def trees(self) -> None:
+        n, n_lost = self.n, self.n_lost
+
+        def node_spares() -> Tree:
+            return Tree([
+                Layer(key_or_fn="job", flag=RESERVE),
+                Layer(key_or_fn=rack_key, flag=RESERVE | BACKFILL),
+                Layer(max_ranks=PER_NODE - 1, key_or_fn=node_key, flag=RESERVE),
+            ])
+
+        def spare_nodes() -> Tree:
+            return Tree([
+                Layer(max_ranks=n - n_lost, key_or_fn="job", flag=RESERVE),
+                Layer(key_or_fn=rack_key, flag=RESERVE),
+                Layer(min_ranks=PER_NODE, key_or_fn=node_key),
+            ])
+
+        def backfill_filter() -> Tree:
+            return Tree(
+                [Layer(key_or_fn="job"), Layer(key_or_fn=rack_key, flag=BACKFILL), Layer(key_or_fn=node_key)],
+                world_size_filter=lambda a: a - a % 8,
+            )
+
+        for label, make, lost in (
+            ("node spares", node_spares, self.lost_random),
+            ("spare nodes", spare_nodes, self.lost_nodes),
+            ("backfill+filter", backfill_filter, self.lost_random),
+        ):
+            self.tree(label, make, lost)
+
+    def tree(self, label: str, make: Callable[[], Tree], lost: set[int]) -> None:
+        keys_tree = make()
+        keys = gather(keys_tree, self.n).keys(keys_tree)
+        everyone = self.everyone
+
+        def cold_start() -> Membership:
+            t = make()
+            return run_job_wide(t, everyone, set(), 0, Topology([t], [keys]))[0]
+
+        tree = make()
+        topo = Topology([tree], [keys])
+        start = run_job_wide(tree, everyone, set(), 0, topo)[0]
+
+        def cold_restart() -> Membership:
+            t = make()
+            return run_job_wide(t, start, lost, 1, Topology([t], [keys]))[0]
+
+        self.row(f"tree: {label}, iteration 0, cold", cold_start)
+        self.row(f"tree: {label}, iteration 0", lambda: run_job_wide(tree, everyone, set(), 0, topo)[0])
+        self.row(f"tree: {label}, restart, cold", cold_restart)
+        self.row(f"tree: {label}, restart", lambda: run_job_wide(tree, start, lost, 1, topo)[0])
+
+    def simple(self, filt: FilterCountGroupedByKey) -> None:
+        for name, ra in (
+            ("ActivateAllRanks+ShiftRanks", Compose(ActivateAllRanks(), ShiftRanks())),
+            ("ActivateAllRanks+FillGaps", Compose(ActivateAllRanks(), FillGaps())),
+            ("MaxActiveWorldSize+ShiftRanks", Compose(MaxActiveWorldSize(self.n - 2 * self.n_lost), ShiftRanks())),
+            ("ActiveWorldSizeDivisibleBy(8)+ShiftRanks", Compose(ActiveWorldSizeDivisibleBy(8), ShiftRanks())),
+            ("ActivateAllRanks+ShiftRanks+FilterCountGroupedByKey(node)",
+             Compose(ActivateAllRanks(), ShiftRanks(), filt)),
+        ):
+            topo = gather(ra, self.n)
+            begun = run_job_wide(ra, self.everyone, set(), 0, topo)[0]
+            self.row(f"simple: {name}",
+                     lambda ra=ra, topo=topo, begun=begun: run_job_wide(ra, begun, self.lost_random, 1, topo)[0])
+
+    def per_rank(self, filt: FilterCountGroupedByKey) -> None:
+        for name, job_wide in (
+            ("ActivateAllRanks+ShiftRanks", Compose(ActivateAllRanks(), ShiftRanks())),
+            ("ActivateAllRanks+ShiftRanks+FilterCountGroupedByKey(node)",
+             Compose(ActivateAllRanks(), ShiftRanks(), filt)),
+        ):
+            self.per_rank_row(name, job_wide)
+
+    def per_rank_row(self, name: str, job_wide: Compose) -> None:
+        n, lost = self.n, self.lost_random
+        ra = Compose(*job_wide.instances, PassThrough())
+        topo = gather(ra, n)
+        begun = run_job_wide(job_wide, self.everyone, set(), 0, topo)[0]
+
+        def leader() -> Membership:
+            return run_per_rank(ra, AgreedInputs(begun, 1, 0, lambda: topo), lost)[0]
+
+        decided = leader()
+        newly = [r for r in range(n) if decided.mode[r] == TERMINATED and begun.mode[r] != TERMINATED]
+        decision = Decision(1, decided, newly, [], 0, 0)
+        survivor = next(r for r in range(n) if decided.mode[r] == ACTIVE)
+        before = AgreedInputs(begun, 1, 0, lambda: topo).state_of(survivor).freeze()
+
+        def verify() -> Membership:
+            verify_own_row(ra, AgreedInputs(begun, 1, 0, lambda: topo), before, decision)
+            return decision.membership
+
+        self.row(f"per-rank: {name}, leader", leader)
+        self.row(f"per-rank: {name}, verify on one rank", verify)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=16384, help="initial world size (a multiple of 512)")
     ap.add_argument("--lost", type=int, default=1024, help="ranks lost in the measured restart (multiple of 8)")
     ap.add_argument("--repeat", type=int, default=21, help="measured runs per row")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-per-rank", action="store_true", help="leave out the per-rank rows (slow at 16,384 ranks)")
     ap.add_argument("--markdown", help="also write the table, command and machine to this Markdown file")
     args = ap.parse_args()
     n, n_lost = args.n, args.lost
     if n % PER_RACK or n_lost % PER_NODE or not 0 < n_lost < n:
         ap.error(f"--n={n} must be a multiple of {PER_RACK} and --lost={n_lost} a multiple of {PER_NODE} below it")
-    rng = random.Random(args.seed)
-    lost_random = set(rng.sample(range(n), n_lost))
-    lost_nodes = set()
-    for node in rng.sample(range(n // PER_NODE - n_lost // PER_NODE), n_lost // PER_NODE):
-        lost_nodes.update(range(node * PER_NODE, (node + 1) * PER_NODE))  # among the running nodes
-    everyone = Membership.all_active(n)
-
-    def node_spares() -> Tree:
-        return Tree([
-            Layer(key_or_fn="job", flag=RESERVE),
-            Layer(key_or_fn=rack_key, flag=RESERVE | BACKFILL),
-            Layer(max_ranks=PER_NODE - 1, key_or_fn=node_key, flag=RESERVE),
-        ])
-
-    def spare_nodes() -> Tree:
-        return Tree([
-            Layer(max_ranks=n - n_lost, key_or_fn="job", flag=RESERVE),
-            Layer(key_or_fn=rack_key, flag=RESERVE),
-            Layer(min_ranks=PER_NODE, key_or_fn=node_key),
-        ])
-
-    def backfill_filter() -> Tree:
-        return Tree(
-            [Layer(key_or_fn="job"), Layer(key_or_fn=rack_key, flag=BACKFILL), Layer(key_or_fn=node_key)],
-            world_size_filter=lambda a: a - a % 8,
-        )
-
-    rows: list[tuple[str, list[float], Membership]] = []
-
-    def row(name: str, fn: Callable[[], Membership]) -> None:
-        times, out = measure(fn, args.repeat)
-        rows.append((name, times, out))
-        print(f"  {name}: {statistics.median(times):.2f} ms", file=sys.stderr, flush=True)
-
-    # Floor: what run_assignment costs around any assignment (copy, terminate, validate).
-    def floor() -> Membership:
-        m = everyone.copy()
-        m.validate(everyone, ())
-        return m
-
-    row("floor: copy + validate", floor)
-
-    for label, make, lost in (
-        ("node spares", node_spares, lost_random),
-        ("spare nodes", spare_nodes, lost_nodes),
-        ("backfill+filter", backfill_filter, lost_random),
-    ):
-        keys_tree = make()
-        topo_keys = gather(keys_tree, n)
-        keys = topo_keys.keys(keys_tree)
-
-        def cold_start(make=make, keys=keys) -> Membership:
-            t = make()
-            return run_assignment(t, everyone, set(), 0, Topology([t], [keys]))[0]
-
-        row(f"tree: {label}, iteration 0, cold", cold_start)
-        tree = make()
-        topo = Topology([tree], [keys])
-        start = run_assignment(tree, everyone, set(), 0, topo)[0]
-        row(f"tree: {label}, iteration 0", lambda tree=tree, topo=topo: run_assignment(tree, everyone, set(), 0, topo)[0])
-
-        def cold_restart(make=make, keys=keys, start=start, lost=lost) -> Membership:
-            t = make()
-            return run_assignment(t, start, lost, 1, Topology([t], [keys]))[0]
-
-        row(f"tree: {label}, restart, cold", cold_restart)
-        row(f"tree: {label}, restart, inferred",
-            lambda tree=tree, topo=topo, start=start, lost=lost: run_assignment(tree, start, lost, 1, topo)[0])
-        row(f"tree: {label}, restart, exact",
-            lambda tree=tree, topo=topo, start=start, lost=lost: run_exact(tree, start, lost, 1, topo))
-
+    bench = Bench(n, n_lost, args.repeat, args.seed)
     filt = FilterCountGroupedByKey(node_key, lambda c: c == PER_NODE)
-    simple = [
-        ("ShiftRanks", ShiftRanks()),
-        ("FillGaps", FillGaps()),
-        ("ActivateAllRanks+ShiftRanks", Compose(ActivateAllRanks(), ShiftRanks())),
-        ("MaxActiveWorldSize+ShiftRanks", Compose(MaxActiveWorldSize(n - 2 * n_lost), ShiftRanks())),
-        ("ActiveWorldSizeDivisibleBy(8)+ShiftRanks", Compose(ActiveWorldSizeDivisibleBy(8), ShiftRanks())),
-        ("ShiftRanks+FilterCountGroupedByKey(node)", Compose(ShiftRanks(), filt)),
-    ]
-    for name, ra in simple:
-        topo = gather(ra, n)
-        row(f"simple: {name}", lambda ra=ra, topo=topo: run_assignment(ra, everyone, lost_random, 1, topo)[0])
+    bench.floor()
+    bench.trees()
+    bench.simple(filt)
+    if not args.no_per_rank:
+        bench.per_rank(filt)
+    write_results(args, bench.rows)
 
+
+def write_results(args: argparse.Namespace, rows: list[tuple[str, list[float], Membership]]) -> None:
+    n, n_lost = args.n, args.lost
     header = "| decision | median ms | min ms | max ms | active after | world after |"
     lines = [header, "|---|---:|---:|---:|---:|---:|"]
     for name, times, out in rows:
@@ -223,7 +282,7 @@ def main() -> None:
         with open(args.markdown, "w") as f:
             f.write(
                 f"# Rank assignment at scale\n\n"
-                f"One leader decision (`run_assignment`: copy, terminate, assign, validate) for "
+                f"One leader decision (`run_job_wide`: copy, assign, check) for "
                 f"{n:,} ranks with {n_lost:,} lost, median of {args.repeat} runs. What each row means: "
                 f"the docstring of `benchmarks/rank_assignment_scale.py`.\n\n"
                 f"Command: `{command.strip()}`  \n"

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import inprocess
 from inprocess.control import protocol
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership
-from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
+from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
-from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks
+from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -20,9 +20,9 @@ from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
-from inprocess.control.protocol import RestartProtocol, decide
+from inprocess.control.protocol import RestartProtocol
 from inprocess.processes.node_agent import NodeRelay
-from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
+from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 NODES = {"ranks_per_node": 3, "world_size": 6}
 AGENT = {"node_agent": True}

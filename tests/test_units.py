@@ -1,5 +1,5 @@
-"""Single-process units: membership encoding, simple rank assignments, Compose,
-the protocol over a real TCPStore, CallWrapper injection, the heartbeat page."""
+"""Single-process units: membership encoding, the protocol over a real TCPStore,
+CallWrapper injection, the heartbeat page."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import socket
 import stat
 import threading
 import time
-from typing import Optional
 
 import pytest
 import torch
@@ -17,17 +16,9 @@ import torch.distributed as dist
 
 import inprocess
 from inprocess import _native
-from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
-from inprocess.control.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol, decide
-from inprocess.rank_assignment import (
-    ActivateAllRanks,
-    ActiveWorldSizeDivisibleBy,
-    FillGaps,
-    MaxActiveWorldSize,
-    ShiftRanks,
-    Topology,
-    run_assignment,
-)
+from inprocess.control.membership import ACTIVE, NONE, TERMINATED, Membership
+from inprocess.control.protocol import COMPLETE, RESTART, FaultRecord, RestartProtocol
+from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, Topology, decide, run_job_wide
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,7 +29,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_membership_round_trips_through_runs_and_stays_compact():
     m = Membership.all_active(16384)
     assert m.encode() == [[0, 16384, ACTIVE, 0, 0]]
-    m2, _ = run_assignment(Compose_shift(), m, {5, 900, 16000}, 1, Topology.empty())
+    m2, _ = run_job_wide(Compose_shift(), m, {5, 900, 16000}, 1, Topology.empty())
     runs = m2.encode()
     assert len(runs) <= 2 * 3 + 1  # O(changes), not O(world size)
     assert Membership.decode(runs, 16384) == m2
@@ -57,67 +48,6 @@ def test_membership_validate_catches_duplicates_and_resurrection():
     back = Membership([ACTIVE, ACTIVE], [0, 1], [0, 1])
     with pytest.raises(inprocess.InternalError, match="was terminated and came back"):
         back.validate(prev)
-
-
-# -- simple rank assignments --------------------------------------------------
-
-
-def assign(ra, n, dead, previous: Optional[Membership] = None):
-    m, _ = run_assignment(ra, previous or Membership.all_active(n), set(dead), 1, Topology.empty())
-    return m
-
-
-def test_shift_ranks_keeps_order_and_closes_gaps():
-    m = assign(Compose_shift(), 8, {1, 4, 5})
-    assert [m.rank[r] for r in (0, 2, 3, 6, 7)] == [0, 1, 2, 3, 4]
-    assert m.active_rank == m.rank
-
-
-def test_fill_gaps_moves_only_the_highest_ranks():
-    m = assign(inprocess.Compose(ActivateAllRanks(), FillGaps()), 8, {1, 4, 5})
-    # Ranks below the new world size (5) keep theirs; 6 and 7 fill the gaps 1 and 4.
-    assert [m.rank[r] for r in (0, 2, 3)] == [0, 2, 3]
-    assert (m.rank[6], m.rank[7]) == (1, 4)
-
-
-def test_max_active_world_size_makes_spares_and_reuses_them():
-    ra = inprocess.Compose(MaxActiveWorldSize(4), ActivateAllRanks(), ShiftRanks())
-    m0 = assign(ra, 6, set())
-    assert m0.mode == [ACTIVE] * 4 + [INACTIVE] * 2 and m0.active_world_size == 4
-    m1 = assign(ra, 6, {1}, previous=m0)
-    # The first spare (initial 4) becomes active rank 3; initial 5 stays a spare.
-    assert m1.active_rank[4] == 3 and m1.mode[5] == INACTIVE and m1.active_world_size == 4
-
-
-def test_active_world_size_divisible_by():
-    ra = inprocess.Compose(ActiveWorldSizeDivisibleBy(4), ActivateAllRanks(), ShiftRanks())
-    m = assign(ra, 10, {0})
-    assert m.active_world_size == 8 and m.world_size == 9
-    assert m.mode[9] == INACTIVE
-
-
-def test_compose_runs_the_last_instance_first():
-    order = []
-
-    def tag(name):
-        def f(x):
-            order.append(name)
-            return x + name
-
-        return f
-
-    assert inprocess.Compose(tag("a"), tag("b"), tag("c"))("") == "cba"
-    assert order == ["c", "b", "a"]
-
-
-def test_failing_assignment_becomes_an_abort_decision():
-    class Boom(inprocess.rank_assignment.RankAssignment):
-        def __call__(self, ctx):
-            raise RuntimeError("boom")
-
-    d = decide(Boom(), Membership.all_active(4), {2}, [], 3, 0)
-    assert d.abort is not None and "boom" in d.abort
-    assert d.membership.mode[2] == TERMINATED
 
 
 # -- the protocol over a real TCPStore -----------------------------------------
@@ -139,7 +69,9 @@ def test_barrier_leader_decides_once_for_everyone(tcp_store):
         try:
             p = RestartProtocol(clients[r], call=7)
             d = p.barrier(
-                0, r, n, r == 5, lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 0, leader), 10
+                0, r, n, r == 5,
+                lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 0, leader),
+                10,
             )
             decisions[r] = d
         except BaseException as e:  # surfaced below

@@ -47,7 +47,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
-from .rank_assignment import Topology, key_gathering_leaves
+from .rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from .state import FrozenState, Mode, State
 
 if TYPE_CHECKING:
@@ -92,8 +92,7 @@ class CallWrapper:
         self.restarts: list[RestartRecord] = []
         self._rt: Optional[RankRuntime] = None  # set while the call runs
         self._membership: Optional[Membership] = None
-        self._topology: Optional[Topology] = None
-        self._key_owners = key_gathering_leaves(wrapper.rank_assignment)
+        self._assignment = AssignmentRunner(wrapper.rank_assignment)
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -195,8 +194,8 @@ class CallWrapper:
 
     def _join(self) -> None:
         s = self.state
-        if self._key_owners:
-            keys = [list(owner.local_keys(s.initial_rank, s.initial_world_size)) for owner in self._key_owners]
+        keys = self._assignment.local_keys(s.freeze())
+        if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
         self._emit_decision(decision)
@@ -229,6 +228,7 @@ class CallWrapper:
         # The function returned: wait until it returned on every active rank.
         self._set_phase(_Phase.COMPLETION)
         outcome.completing = True  # before the count: from now on the event may be "complete"
+        assert s.active_world_size is not None  # set by _apply before any iteration runs
         rt.protocol.arrive_completed(s.iteration, s.active_world_size)
         timeout = _seconds(self._w.timeouts.completion_timeout)
         if not outcome.done.wait(timeout):
@@ -331,7 +331,7 @@ class CallWrapper:
         s = self.state
         log.info("rank %d: restarted after iteration %d in %.0f ms (%s)", s.initial_rank, record.iteration,
                  record.duration_s * 1e3, ", ".join(f"{k} {v:.0f} ms" for k, v in record.phases_ms().items()))
-        if s.active_rank == 0:
+        if s.active_rank == 0 and s.active_world_size is not None:
             log.warning("%s", record.summary(s.active_world_size, s.world_size))
 
     def _emit_iteration_start(self) -> None:
@@ -393,30 +393,28 @@ class CallWrapper:
             raise LeaveJob(e, failed) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
-        iteration = 0 if self._membership is None else self.state.iteration + 1
-        previous = self._membership or Membership.all_active(self.state.initial_world_size)
-        return protocol.decide(
-            self._w.rank_assignment, previous, dead, faults, iteration, leader, self._read_topology()
+        return self._assignment.decide(
+            self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology
         )
 
-    def _read_topology(self) -> Topology:
-        if not self._key_owners:
-            return Topology.empty()
-        if self._topology is None:
-            table = self._runtime.protocol.read_topology(self.state.initial_world_size)
-            columns = [[tuple(row[j]) for row in table] for j in range(len(self._key_owners))]
-            self._topology = Topology(self._key_owners, columns)
-        return self._topology
+    def _read_topology(self) -> list[list[list[str]]]:
+        return self._runtime.protocol.read_topology(self.state.initial_world_size)
 
     def _apply(self, decision: Decision) -> None:
         s = self.state
         m = decision.membership
         r = s.initial_rank
+        before, previous = s.freeze(), self._membership
         self._membership = m
         s.iteration = decision.iteration
         if decision.abort is not None:
             self._runtime.protocol.leave(decision.iteration, m.world_size)
             raise LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
+        try:
+            # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
+            self._assignment.verify(decision, previous, before, self._read_topology)
+        except RankAssignmentMismatch as e:
+            raise LeaveJob(e, Leave.TERMINATED) from None
         mode = Mode(m.mode[r])
         if mode == Mode.TERMINATED:
             raise LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),

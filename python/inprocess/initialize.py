@@ -58,7 +58,7 @@ class RetryController(Initialize):
         if state.world_size < self.min_world_size:
             raise RestartAbort(f"iteration={state.iteration}: world_size={state.world_size} fell below "
                                f"min_world_size={self.min_world_size}")
-        if state.active_world_size < self.min_active_world_size:
+        if state.active_world_size is not None and state.active_world_size < self.min_active_world_size:
             raise RestartAbort(
                 f"iteration={state.iteration}: active_world_size={state.active_world_size} fell below "
                 f"min_active_world_size={self.min_active_world_size}"

@@ -132,13 +132,13 @@ def make_hooks(spec):
     return hooks
 
 
-class RaisingAssignment(inprocess.rank_assignment.RankAssignment):
-    """A rank assignment that fails at one iteration (the hook rule test)."""
+class RaisingAssignment(inprocess.rank_assignment.JobAssignment):
+    """A (job-wide) rank assignment that fails at one iteration (the hook rule test)."""
 
     def __init__(self, iteration):
         self.iteration = iteration
 
-    def __call__(self, ctx):
+    def assign_job(self, ctx):
         if ctx.iteration == self.iteration:
             raise RuntimeError(f"injected rank assignment failure at iteration {ctx.iteration}")
         return ctx

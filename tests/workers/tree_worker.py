@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 import inprocess
-from inprocess.rank_assignment import Layer, LayerFlag, Tree
-from inprocess.tree import EnvKey
+from inprocess.rank_assignment import EnvKey, Layer, LayerFlag, Tree
 
 PER_NODE = 3
 STEPS = 4

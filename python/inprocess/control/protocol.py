@@ -187,40 +187,6 @@ class Decision:
 DecideFn = Callable[[set[int], list[FaultRecord], int], Decision]
 
 
-def decide(
-    rank_assignment: Any,
-    previous: Membership,
-    dead: set[int],
-    faults: list[FaultRecord],
-    iteration: int,
-    leader: int,
-    topology: Any = None,
-) -> Decision:
-    """The leader's one decision for the whole job (design principle 3).
-
-    Never raises: a failing rank assignment becomes a decision that ends the
-    job on every rank (``abort``), with the error in its message.
-    """
-    from ..rank_assignment import Topology, run_assignment
-
-    start = time.monotonic_ns()
-    abort = None
-    try:
-        membership, newly = run_assignment(
-            rank_assignment, previous, dead, iteration, topology if topology is not None else Topology.empty()
-        )
-        if membership.active_world_size == 0 and membership.world_size > 0:
-            abort = "no active rank is left"
-    except BaseException as e:
-        log.error("rank assignment failed on leader %d: %s: %s", leader, type(e).__name__, e)
-        membership = previous.copy()
-        membership.terminate(dead)
-        newly = set(dead)
-        abort = f"rank assignment failed: {type(e).__name__}: {e}"
-    end = time.monotonic_ns()
-    return Decision(iteration, membership, sorted(newly), faults, len(faults), leader, abort, end, assignment_ns=end - start)
-
-
 def is_timeout(e: BaseException) -> bool:
     """A wait or blocking get that ran out of time.
 
