@@ -27,7 +27,7 @@ import pytest
 import torch.distributed as dist
 
 import inprocess
-from inprocess.control import protocol
+from inprocess.control import store_ops
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership
 from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol, decide
 from inprocess.control.tcpstore_client import TCPStoreClient
@@ -244,7 +244,7 @@ def rank_threads(
         trigger, main = protocols[r]
         try:
             assert trigger.wait_event(0, timeout) == "restart"
-            decisions[r] = main.barrier(1, r, n, False, decide_fn, timeout)
+            decisions[r] = main.barrier(1, r, n, decide=decide_fn, timeout=timeout)
         except BaseException as e:
             errors.append(e)
 
@@ -278,7 +278,7 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
     # The dead rank's monitor: records the fault, wakes everyone, arrives for it.
     monitor = protocols[dead_rank][1]
     monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
-    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    assert monitor.barrier(1, dead_rank, n, terminated=True, timeout=timeout) is None
     for t in threads:
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), "ranks still blocked"
@@ -346,7 +346,7 @@ def one_restart_on_nodes(
     for k, members in enumerate(nodes):
         for slot, r in enumerate(members):
             link = NodeLink(boards[k], slot)
-            protocols[r] = (RestartProtocol(views[r][0], 0, link), RestartProtocol(views[r][1], 0, link))
+            protocols[r] = (RestartProtocol(views[r][0], link=link), RestartProtocol(views[r][1], link=link))
     decisions: dict[int, Optional[Decision]] = {}
     errors: list[BaseException] = []
     deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
@@ -378,7 +378,7 @@ def one_restart_on_nodes(
     monitor_view = CountingView(store)
     monitor = RestartProtocol(monitor_view)  # the monitor process: no node link
     monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
-    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    assert monitor.barrier(1, dead_rank, n, terminated=True, timeout=timeout) is None
     for t in threads:
         t.join(timeout)
     deadline.set()
@@ -485,7 +485,7 @@ def test_blocking_get_is_one_call_and_waits_stay_cancellable(
     assert store.timeout == ten
 
     # Waits are cut into chunks; a cancelled waiter notices within one.
-    monkeypatch.setattr(protocol, "WAIT_CHUNK_S", 0.3)
+    monkeypatch.setattr(store_ops, "WAIT_CHUNK_S", 0.3)
     asked: list[float] = []
 
     def cancelled() -> bool:
@@ -494,7 +494,7 @@ def test_blocking_get_is_one_call_and_waits_stay_cancellable(
 
     start = time.monotonic()
     with pytest.raises(inprocess.TimeoutError, match="cancelled"):
-        p.wait_event(1, None, cancelled)
+        p.wait_event(1, None, cancelled=cancelled)
     assert 0.5 <= time.monotonic() - start < 3.0
     assert p.ops == 1 + 2  # one get per chunk
     assert store.timeout == ten
@@ -520,8 +520,8 @@ def test_an_active_rank_waits_for_the_event_without_reading_it() -> None:
     view = CountingView(store)
     p = RestartProtocol(view)
     RestartProtocol(store).request_restart(0)
-    assert p.wait_event(0, 5, None, only_restart=lambda: True) == RESTART
+    assert p.wait_event(0, 5, only_restart=lambda: True) == RESTART
     assert view.calls == p.ops == 1  # the wait alone
     RestartProtocol(store).arrive_completed(1, 1)  # iteration 1 completed
-    assert p.wait_event(1, 5, None, only_restart=lambda: False) == COMPLETE
+    assert p.wait_event(1, 5, only_restart=lambda: False) == COMPLETE
     assert view.calls == p.ops == 1 + 2  # the wait, then the get

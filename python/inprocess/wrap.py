@@ -496,7 +496,8 @@ class CallWrapper:
         s = self.state
         try:
             return self._protocol.barrier(  # type: ignore[union-attr]
-                iteration, s.initial_rank, expected, False, self._decide, _seconds(self._w.timeouts.barrier_timeout)
+                iteration, s.initial_rank, expected, decide=self._decide,
+                timeout=_seconds(self._w.timeouts.barrier_timeout),
             )
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
@@ -746,7 +747,8 @@ class CallWrapper:
         """Count this rank out at the barrier after ``iteration``, so nobody waits for it."""
         s = self.state
         try:
-            p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None, _seconds(self._w.timeouts.barrier_timeout))
+            p.barrier(iteration + 1, s.initial_rank, s.world_size, terminated=True,
+                      timeout=_seconds(self._w.timeouts.barrier_timeout))
         except SeatTaken:
             log.info("rank %d was counted out by another process already", s.initial_rank)
 
