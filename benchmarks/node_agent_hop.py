@@ -17,15 +17,22 @@ import json
 import statistics
 import threading
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
-from inprocess.control.node_link import NodeLink, socket_name
+from inprocess.control.node_link import OUTCOME_DECIDED, NodeLink, socket_name
 from inprocess.control.protocol import RestartProtocol
 from inprocess.processes.contract import HelperProcess, NodeAgentConfig
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
+
+
+def _stamp(woke: dict[str, int], where: str, wait: Callable[[int, float], object], iteration: int) -> None:
+    """Wait for the iteration's event, then note when this waiter woke."""
+    wait(iteration, 5.0)
+    woke[where] = time.monotonic_ns()
 
 
 def main() -> None:
@@ -52,13 +59,11 @@ def main() -> None:
         for i in range(args.samples):
             # Barrier i's decision first: the agent relays it, then waits for iteration i's event.
             leader.publish_decision(decide(assignment, Membership.all_active(1), set(), [], i, 0))
-            if link.board.wait_outcome(0, i, 5) != 2:
+            if link.wait_outcome(i, 5) != OUTCOME_DECIDED:
                 raise SystemExit(f"the agent did not relay decision {i}")
             woke: dict[str, int] = {}
-            waiters = [
-                threading.Thread(target=lambda: (link.board.wait_event(i, 5), woke.__setitem__("board", time.monotonic_ns()))),
-                threading.Thread(target=lambda: (direct.wait_event(i, 5), woke.__setitem__("store", time.monotonic_ns()))),
-            ]
+            waiters = [threading.Thread(target=_stamp, args=(woke, "board", link.wait_event, i)),
+                       threading.Thread(target=_stamp, args=(woke, "store", direct.wait_event, i))]
             for w in waiters:
                 w.start()
             time.sleep(0.02)  # both parked
@@ -78,7 +83,8 @@ def main() -> None:
     print(f"  through the node agent's board  {med_b:6.2f} ms  {max(board_ms):6.2f} ms")
     print(f"  directly from the store         {med_s:6.2f} ms  {max(store_ms):6.2f} ms")
     print(f"  hop: {med_b - med_s:+.2f} ms median (ratio {med_b / med_s:.2f})")
-    print(json.dumps({"benchmark": "node_agent_hop", "samples": args.samples, "board_ms": board_ms, "store_ms": store_ms}))
+    print(json.dumps({"benchmark": "node_agent_hop", "samples": args.samples, "board_ms": board_ms,
+                      "store_ms": store_ms}))
 
 
 if __name__ == "__main__":

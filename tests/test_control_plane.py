@@ -1,6 +1,6 @@
 """The restart control plane at scale: agreement in the simulator, O(1) store operations per rank.
 
-(a) runs ``benchmarks/control_plane_sim.py`` (the library's own protocol
+(a) runs the simulator, :mod:`benchmarks.control_plane` (the library's own protocol
 against a real TCPStore server in its own process) at N = 64, in direct mode
 and in node mode (8 nodes of 8 ranks, each with a board and an agent relay),
 and checks that every simulated rank holds the same decision and the
@@ -9,15 +9,19 @@ restart over an in-memory store at two world sizes and fails if the count
 grows with N, directly and through node agents (then per rank and per node);
 the encoded decision must not grow with N either when the faults are fixed;
 (c) checks the blocking get behind ``wait_event`` and ``wait_decision`` on
-both torch server backends, with torch's client and the torch-free one.
+both torch server backends, with torch's client and the torch-free one;
+(d) runs the simulator's command line in its smoke mode and reads its JSON.
 """
 
 from __future__ import annotations
 
 import builtins
 import datetime
+import hashlib
+import json
 import pathlib
 import re
+import subprocess
 import sys
 import threading
 from typing import Any, Optional
@@ -25,23 +29,16 @@ from typing import Any, Optional
 import psutil
 import pytest
 import torch.distributed as dist
+from benchmarks.control_plane import SimConfig, expected_row, pick_faulty, simulate
 
 import inprocess
-from inprocess.control import protocol
+from inprocess.control import store_ops
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership
 from inprocess.control.protocol import COMPLETE, RESTART, Decision, FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _sim() -> Any:
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    import control_plane_sim
-
-    return control_plane_sim
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _children() -> set[int]:
@@ -56,17 +53,16 @@ def _children() -> set[int]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["killed", "exception"])
 def test_simulated_ranks_agree_on_one_assignment(kind: str) -> None:
-    sim = _sim()
     before = _children()
-    cfg = sim.SimConfig(procs=2, groups=4, restarts=2, kind=kind, decode="every-rank", check_membership=True,
+    cfg = SimConfig(procs=2, groups=4, restarts=2, kind=kind, decode="every-rank", check_membership=True,
                         settle_s=0.1, steady_s=0.2, heartbeat_rounds=1, timeout_s=60.0, ranks_per_node=0)
     n = 64
-    result = sim.simulate(n, cfg)
+    result = simulate(n, cfg)
     # Every process the simulator started is gone.
     assert _children() - before == set()
 
     assert result["all_agree"]
-    faulty = sim.pick_faulty(n, cfg.restarts)
+    faulty = pick_faulty(n, cfg.restarts)
     for j, r in enumerate(result["per_restart"]):
         dead = len(faulty[: j + 1]) if kind == "killed" else 0
         assert r["ranks"] == n - dead, r
@@ -85,16 +81,15 @@ def test_simulated_ranks_agree_on_one_assignment(kind: str) -> None:
 def test_simulated_nodes_agree_on_one_assignment(kind: str) -> None:
     """Node mode, N = 64: 8 nodes of 8 ranks, 2 client processes of 2 groups of
     2 nodes (so that the leader's group has a node besides the leader's)."""
-    sim = _sim()
     before = _children()
-    cfg = sim.SimConfig(procs=2, groups=2, restarts=3, kind=kind, decode="every-rank", check_membership=True,
+    cfg = SimConfig(procs=2, groups=2, restarts=3, kind=kind, decode="every-rank", check_membership=True,
                         settle_s=0.1, steady_s=0.2, heartbeat_rounds=1, timeout_s=60.0, ranks_per_node=8)
     n = 64
-    result = sim.simulate(n, cfg)
+    result = simulate(n, cfg)
     assert _children() - before == set()
 
     assert result["mode"] == "node" and result["all_agree"]
-    faulty = sim.pick_faulty(n, cfg.restarts)
+    faulty = pick_faulty(n, cfg.restarts)
     for j, r in enumerate(result["per_restart"]):
         dead = len(faulty[: j + 1]) if kind == "killed" else 0
         assert r["ranks"] == n - dead, r
@@ -116,13 +111,12 @@ def test_simulated_nodes_agree_on_one_assignment(kind: str) -> None:
 
 
 def test_expected_rows_follow_shift_ranks() -> None:
-    sim = _sim()
     faulty = [5, 2]
-    assert sim.expected_row(8, faulty, 0, "killed", 5) == (TERMINATED, -1, -1)
-    assert sim.expected_row(8, faulty, 0, "killed", 7) == (ACTIVE, 6, 6)
-    assert sim.expected_row(8, faulty, 1, "killed", 7) == (ACTIVE, 5, 5)
-    assert sim.expected_row(8, faulty, 1, "killed", 1) == (ACTIVE, 1, 1)
-    assert sim.expected_row(8, faulty, 1, "exception", 7) == (ACTIVE, 7, 7)
+    assert expected_row(8, faulty, 0, "killed", 5) == (TERMINATED, -1, -1)
+    assert expected_row(8, faulty, 0, "killed", 7) == (ACTIVE, 6, 6)
+    assert expected_row(8, faulty, 1, "killed", 7) == (ACTIVE, 5, 5)
+    assert expected_row(8, faulty, 1, "killed", 1) == (ACTIVE, 1, 1)
+    assert expected_row(8, faulty, 1, "exception", 7) == (ACTIVE, 7, 7)
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +238,7 @@ def rank_threads(
         trigger, main = protocols[r]
         try:
             assert trigger.wait_event(0, timeout) == "restart"
-            decisions[r] = main.barrier(1, r, n, False, decide_fn, timeout)
+            decisions[r] = main.barrier(1, r, n, decide=decide_fn, timeout=timeout)
         except BaseException as e:
             errors.append(e)
 
@@ -278,7 +272,7 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
     # The dead rank's monitor: records the fault, wakes everyone, arrives for it.
     monitor = protocols[dead_rank][1]
     monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
-    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    assert monitor.barrier(1, dead_rank, n, terminated=True, timeout=timeout) is None
     for t in threads:
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), "ranks still blocked"
@@ -346,7 +340,7 @@ def one_restart_on_nodes(
     for k, members in enumerate(nodes):
         for slot, r in enumerate(members):
             link = NodeLink(boards[k], slot)
-            protocols[r] = (RestartProtocol(views[r][0], 0, link), RestartProtocol(views[r][1], 0, link))
+            protocols[r] = (RestartProtocol(views[r][0], link=link), RestartProtocol(views[r][1], link=link))
     decisions: dict[int, Optional[Decision]] = {}
     errors: list[BaseException] = []
     deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
@@ -372,13 +366,14 @@ def one_restart_on_nodes(
             errors.append(e)
 
     threads = rank_threads(protocols, n, dead_rank, timeout, decisions, errors)
-    threads += [threading.Thread(target=f, args=(k,), daemon=True) for k in range(len(nodes)) for f in (broadcast, forward)]
+    threads += [threading.Thread(target=f, args=(k,), daemon=True)
+                for k in range(len(nodes)) for f in (broadcast, forward)]
     for t in threads:
         t.start()
     monitor_view = CountingView(store)
     monitor = RestartProtocol(monitor_view)  # the monitor process: no node link
     monitor.report_fault(FaultRecord(dead_rank, 0, "killed", "SIGKILL", "simulated", t_ns=1))
-    assert monitor.barrier(1, dead_rank, n, True, None, timeout) is None
+    assert monitor.barrier(1, dead_rank, n, terminated=True, timeout=timeout) is None
     for t in threads:
         t.join(timeout)
     deadline.set()
@@ -485,7 +480,7 @@ def test_blocking_get_is_one_call_and_waits_stay_cancellable(
     assert store.timeout == ten
 
     # Waits are cut into chunks; a cancelled waiter notices within one.
-    monkeypatch.setattr(protocol, "WAIT_CHUNK_S", 0.3)
+    monkeypatch.setattr(store_ops, "WAIT_CHUNK_S", 0.3)
     asked: list[float] = []
 
     def cancelled() -> bool:
@@ -494,7 +489,7 @@ def test_blocking_get_is_one_call_and_waits_stay_cancellable(
 
     start = time.monotonic()
     with pytest.raises(inprocess.TimeoutError, match="cancelled"):
-        p.wait_event(1, None, cancelled)
+        p.wait_event(1, None, cancelled=cancelled)
     assert 0.5 <= time.monotonic() - start < 3.0
     assert p.ops == 1 + 2  # one get per chunk
     assert store.timeout == ten
@@ -520,8 +515,99 @@ def test_an_active_rank_waits_for_the_event_without_reading_it() -> None:
     view = CountingView(store)
     p = RestartProtocol(view)
     RestartProtocol(store).request_restart(0)
-    assert p.wait_event(0, 5, None, only_restart=lambda: True) == RESTART
+    assert p.wait_event(0, 5, only_restart=lambda: True) == RESTART
     assert view.calls == p.ops == 1  # the wait alone
     RestartProtocol(store).arrive_completed(1, 1)  # iteration 1 completed
-    assert p.wait_event(1, 5, None, only_restart=lambda: False) == COMPLETE
+    assert p.wait_event(1, 5, only_restart=lambda: False) == COMPLETE
     assert view.calls == p.ops == 1 + 2  # the wait, then the get
+
+
+# ---------------------------------------------------------------------------
+# (d) the simulator's command line, smoke mode
+# ---------------------------------------------------------------------------
+
+
+def _run_simulator(*args: str, cwd: pathlib.Path) -> "subprocess.CompletedProcess[str]":
+    """``python benchmarks/control_plane_sim.py ARGS`` (its server and clients die with it: PR_SET_PDEATHSIG)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "control_plane_sim.py"), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=150)
+
+
+def _json_line(stdout: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith('{"benchmark":"control_plane"')]
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0])  # type: ignore[no-any-return]
+
+
+def _check_smoke_figures(run: dict[str, Any]) -> None:
+    """N = 64, one restart, both modes: what the protocol costs per rank and per node."""
+    by_mode = {r["mode"]: r for r in run["results"]}
+    assert sorted(by_mode) == ["direct", "node"] and all(r["n"] == 64 for r in run["results"]), run["results"]
+    node, direct = by_mode["node"], by_mode["direct"]
+    assert node["all_agree"] and direct["all_agree"]
+    assert node["restarts"] == direct["restarts"] == 1
+    assert node["ranks"] == direct["ranks"] == 63  # the killed rank holds no decision
+    assert (node["ops_per_rank_median"], node["requests_per_rank_median"]) == (1, 1)
+    assert (node["ops_per_node_median"], node["requests_per_node_median"]) == (3, 5)
+    assert (direct["ops_per_rank_median"], direct["requests_per_rank_median"]) == (4, 6)
+    assert node["max_ms"] >= node["median_ms"] > 0 and direct["max_ms"] >= direct["median_ms"] > 0
+
+
+def _digests(folder: pathlib.Path) -> dict[str, str]:
+    return {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_simulator_smoke_run_prints_its_figures_and_writes_nothing(tmp_path: pathlib.Path) -> None:
+    benchmarks_before = _digests(ROOT / "benchmarks")
+    done = _run_simulator("--smoke", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    _check_smoke_figures(_json_line(done.stdout))
+    # Progress came as it went, one line per restart and per mode.
+    assert "N=64 node: restart 1/1" in done.stderr and "N=64 direct: restart 1/1" in done.stderr, done.stderr
+    assert "nothing written" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert _digests(ROOT / "benchmarks") == benchmarks_before  # the tracked results are left alone
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_simulator_writes_its_results_where_told(tmp_path: pathlib.Path) -> None:
+    import importlib.util
+
+    out = tmp_path / "out"
+    done = _run_simulator("--smoke", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    printed = _json_line(done.stdout)
+    _check_smoke_figures(printed)
+    assert json.loads((out / "control_plane.json").read_text()) == printed
+    block = (out / "control_plane.md").read_text()
+    assert block.startswith("<!-- control-plane results: begin") and block.rstrip().endswith("results: end -->")
+    assert "| node | 64 |" in block and "| direct | 64 |" in block
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not (out / "control_plane.png").exists()
+        assert "matplotlib is not installed (pip install inprocess[bench]" in done.stderr, done.stderr
+        assert "control_plane.png" not in block
+    else:
+        assert (out / "control_plane.png").read_bytes().startswith(b"\x89PNG")
+        assert "![control-plane time against N](control_plane.png)" in block
+    # Redrawn from the saved JSON, without running anything.
+    again = _run_simulator("--plot-from", str(out / "control_plane.json"), "--out", str(tmp_path / "again"),
+                           cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "again" / "control_plane.json").read_text()) == printed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, expected", [
+    (["--n", "1"], "N=1: expected at least 2 ranks"),
+    (["--restarts", "0"], "restarts=0: expected an integer >= 1"),
+    (["--ranks-per-node", "-1"], "--ranks-per-node=-1: expected >= 0"),
+    (["--direct", "--node-only"], "--node-only needs node mode"),
+    (["--plot-from", "x.json"], "--plot-from writes files: give --out DIR"),
+])
+def test_simulator_refuses_bad_arguments_by_name(args: list[str], expected: str, tmp_path: pathlib.Path) -> None:
+    done = _run_simulator(*args, cwd=tmp_path)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -133,7 +133,7 @@ class TwoNodes:
         self.boards = [_native.NodeBoard.create(2, 4096) for _ in range(2)]
         self.relays = [NodeRelay(b) for b in self.boards]
         self.relay_protocols = [RestartProtocol(client()) for _ in range(2)]
-        self.ranks = [RestartProtocol(client(), node=NodeLink(self.boards[r // 2], r % 2)) for r in range(4)]
+        self.ranks = [RestartProtocol(client(), link=NodeLink(self.boards[r // 2], r % 2)) for r in range(4)]
         seats = [self.ranks[0].seat_key(r) for r in range(4)]
         for key in seats:
             self.server.set(key, "0")
@@ -161,12 +161,12 @@ def test_the_first_batch_names_its_lowest_slot_leader_and_the_last_sets_ready():
     assert t.relays[0].forward(t.relay_protocols[0]) == 0  # nothing new: no second add
     assert [t.relays[n].adds for n in (0, 1)] == [1, 1]
 
-    decision = t.ranks[2].await_outcome(1, 2, 4, t.decide_fn, 10)  # the leader decides
+    decision = t.ranks[2].await_outcome(1, 2, 4, decide=t.decide_fn, timeout=10)  # the leader decides
     assert decision.leader == 2 and decision.membership.world_size == 4
     for n in (0, 1):
         assert t.relays[n].relay_decision(t.relay_protocols[n], 1, lambda: False)
     for r in (0, 1, 3):
-        assert t.ranks[r].await_outcome(1, r, 4, None, 10).to_json() == decision.to_json()
+        assert t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json() == decision.to_json()
     # Per rank, one store call for the whole barrier: its seat.
     assert [t.ranks[r].ops for r in (0, 1, 3)] == [1, 1, 1]
 
@@ -181,19 +181,19 @@ def test_a_rank_whose_agent_vanished_counts_itself_unless_the_agent_had():
     # Node 1's ranks count themselves directly (then wait for the decision in the store).
     got: dict[int, str] = {}
     threads = [
-        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, None, 10).to_json()))
+        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json()))
         for r in (2, 3)
     ]
     for thread in threads:
         thread.start()
-    decision = t.ranks[0].await_outcome(1, 0, 4, t.decide_fn, 10)  # waits for their count
+    decision = t.ranks[0].await_outcome(1, 0, 4, decide=t.decide_fn, timeout=10)  # waits for their count
     for thread in threads:
         thread.join(10)
     assert decision.leader == 0 and got == {2: decision.to_json(), 3: decision.to_json()}
     assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4
     # Node 0's agent goes too, after it had forwarded: rank 1 reads the decision from the store.
     t.boards[0].close()
-    assert t.ranks[1].await_outcome(1, 1, 4, None, 10).to_json() == decision.to_json()
+    assert t.ranks[1].await_outcome(1, 1, 4, timeout=10).to_json() == decision.to_json()
     assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4  # nobody was counted twice
 
 

@@ -649,11 +649,11 @@ def test_restart_protocol_over_our_client(ours: TCPStoreClient, theirs: dist.TCP
     mine.record_fault(record)
     _flush(ours)
     assert torchs.read_faults(0) == [record]
-    assert mine.take_seat(0, 0, False) and torchs.take_seat(0, 1, False)  # as barrier 0 left them
+    assert mine.take_seat(0, 0) and torchs.take_seat(0, 1)  # as barrier 0 left them
     assert mine.arrive(1, 0, 2, terminated=False) == (1, 0, False)
     assert torchs.arrive(1, 1, 2, terminated=True) == (1, 1, True)
     assert mine.read_terminated(1, 1) == {1}
     with pytest.raises(builtins.TimeoutError):
-        mine.wait_key(mine.key(5, "event"), 0.2, "nothing")
+        mine.counted.wait_key(mine.key(5, "event"), 0.2, "nothing")
     mine.delete_iteration(0)
     assert not torchs.restart_requested(0)

@@ -69,9 +69,9 @@ def test_barrier_leader_decides_once_for_everyone(tcp_store):
         try:
             p = RestartProtocol(clients[r], call=7)
             d = p.barrier(
-                0, r, n, r == 5,
-                lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 0, leader),
-                10,
+                0, r, n, terminated=r == 5, timeout=10,
+                decide=lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 0,
+                                                           leader),
             )
             decisions[r] = d
         except BaseException as e:  # surfaced below
@@ -116,15 +116,15 @@ def test_concurrent_faults_are_all_in_the_one_decision(tcp_store):
     n = 6
     clients = [RestartProtocol(tcp_store.clone(), call=3) for _ in range(n)]
     for r in range(n):  # as barrier 0 left them: every rank counted in there
-        clients[r].take_seat(0, r, False)
+        clients[r].take_seat(0, r)
     for r in (4, 1, 2):  # three ranks fail in iteration 0, in this order
         clients[r].report_fault(FaultRecord(r, 0, "exception", "RuntimeError", f"fault {r}"))
     out = [None] * n
     threads = [
         threading.Thread(target=lambda r=r: out.__setitem__(r, clients[r].barrier(
-            1, r, n, False,
-            lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 1, leader),
-            10)))
+            1, r, n, timeout=10,
+            decide=lambda dead, faults, leader: decide(Compose_shift(), Membership.all_active(n), dead, faults, 1, leader),
+        )))
         for r in range(n)
     ]
     for t in threads:

@@ -351,7 +351,7 @@ class CallWrapper:
         s = self.state
         try:
             decision = self._runtime.protocol.barrier(
-                iteration, s.initial_rank, expected, False, self._decide, self._w.timeouts.barrier_wait_s
+                iteration, s.initial_rank, expected, decide=self._decide, timeout=self._w.timeouts.barrier_wait_s
             )
         except SeatTaken as e:
             # A peer's monitor declared this rank lost (this rank's own monitor
@@ -533,8 +533,8 @@ class CallWrapper:
         """Count this rank out at the barrier after ``iteration``, so nobody waits for it."""
         s = self.state
         try:
-            p.barrier(iteration + 1, s.initial_rank, s.world_size, True, None,
-                      self._w.timeouts.barrier_wait_s)
+            p.barrier(iteration + 1, s.initial_rank, s.world_size, terminated=True,
+                      timeout=self._w.timeouts.barrier_wait_s)
         except SeatTaken:
             log.info("rank %d was counted out by another process already", s.initial_rank)
 

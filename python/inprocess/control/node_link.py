@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from .. import _native
 
@@ -68,6 +68,48 @@ def socket_name(store_host: str, store_port: int, call: int, node: str, env: Opt
     return f"\0inprocess-node/{store_host}:{store_port}/{incarnation}/{call}/{node}".encode()
 
 
+# What a wait on the board returns besides an answer (see _native.NodeBoard).
+BOARD_TIMEOUT = -1
+BOARD_CLOSED = -2
+# What NodeBoardLink.wait_outcome answers.
+OUTCOME_LEAD = 1  # this rank leads the barrier
+OUTCOME_DECIDED = 2  # the barrier's decision is posted (or too large for the board: read it from the store)
+
+
+class NodeBoardLink(Protocol):
+    """What the restart protocol needs of a rank's link to its node agent.
+
+    The board's operations for this rank's slot, and whether the agent is
+    still there. :class:`NodeLink` is the real one; a test or the simulator
+    may link a rank to a board of its own.
+    """
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot on the board (its local rank)."""
+
+    def alive(self) -> bool:
+        """False for good once the agent exited or closed the board."""
+
+    def post_arrival(self, barrier: int, expected: int) -> None:
+        """This rank arrived (healthy) at ``barrier``, which counts ``expected`` ranks: the agent forwards it."""
+
+    def wait_event(self, iteration: int, timeout_s: float) -> int:
+        """0 restart, 1 complete, BOARD_TIMEOUT or BOARD_CLOSED."""
+
+    def wait_outcome(self, barrier: int, timeout_s: float) -> int:
+        """OUTCOME_LEAD, OUTCOME_DECIDED, BOARD_TIMEOUT or BOARD_CLOSED."""
+
+    def read_decision(self) -> Optional[tuple[int, Optional[bytes]]]:
+        """(barrier, decision bytes) as posted last; the bytes are None when too large for the board."""
+
+    def forwarded(self) -> int:
+        """The last barrier the agent counted this rank at, -1 if none."""
+
+    def leads(self) -> int:
+        """The last barrier this rank was named to lead, -1 if none."""
+
+
 class NodeLink:
     """A rank's connection to its node agent: the board, its slot, the agent's liveness.
 
@@ -100,7 +142,9 @@ class NodeLink:
             except (ConnectionRefusedError, FileNotFoundError):
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no node agent listening on {name[1:].decode()!r} within {timeout:g}s") from None
+                    raise TimeoutError(
+                        f"no node agent listening on {name[1:].decode()!r} within {timeout:g}s"
+                    ) from None
                 time.sleep(0.02)
             except BaseException:
                 sock.close()
@@ -129,6 +173,27 @@ class NodeLink:
             self._lost = True
             log.warning("node agent (pid %d) is gone: this rank talks to the store directly", self.board.agent_pid)
         return not self._lost
+
+    # -- the board, for this rank's slot (NodeBoardLink) -------------------------
+
+    def post_arrival(self, barrier: int, expected: int) -> None:
+        self.board.arrive(self.slot, barrier, expected)
+
+    def wait_event(self, iteration: int, timeout_s: float) -> int:
+        return int(self.board.wait_event(iteration, timeout_s))
+
+    def wait_outcome(self, barrier: int, timeout_s: float) -> int:
+        return int(self.board.wait_outcome(self.slot, barrier, timeout_s))
+
+    def read_decision(self) -> Optional[tuple[int, Optional[bytes]]]:
+        posted = self.board.read_decision()
+        return None if posted is None else (int(posted[0]), posted[1])
+
+    def forwarded(self) -> int:
+        return int(self.board.forwarded(self.slot))
+
+    def leads(self) -> int:
+        return int(self.board.leads(self.slot))
 
     def close(self) -> None:
         if self._sock is not None:

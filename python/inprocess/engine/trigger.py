@@ -99,7 +99,7 @@ class RestartTrigger:
                 return
             try:
                 outcome.event = self._protocol.wait_event(
-                    outcome.iteration, None, lambda: self._stopping, outcome.only_restart
+                    outcome.iteration, None, cancelled=lambda: self._stopping, only_restart=outcome.only_restart
                 )
             except BaseException as e:  # store gone, or stopping: the main thread decides
                 log.debug("restart trigger stopped waiting on iteration %d: %s", outcome.iteration, e)

@@ -424,7 +424,9 @@ class Monitor:
             return decision.membership.world_size
 
         try:
-            barrier = protocol.count_out(rank, fault, expected_at, self.args.barrier_timeout_s, who=f"m{self.args.rank}")
+            barrier = protocol.count_out(
+                rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}"
+            )
         finally:
             if store is not None:
                 store.close()

@@ -94,14 +94,14 @@ class NodeRelay:
 
     def relay_decision(self, p: RestartProtocol, barrier: int, cancelled: Callable[[], bool]) -> bool:
         """Post barrier ``barrier``'s decision; False when it ends the job."""
-        raw = p.get_blocking(p.key(barrier, "decision"), None, f"barrier {barrier} (node agent)", cancelled)
+        raw = p.wait_decision_raw(barrier, None, cancelled=cancelled)
         self.board.post_decision(barrier, raw)
         head = json.loads(raw)
         return head.get("abort") is None and int(head.get("ws", 1)) > 0
 
     def relay_event(self, p: RestartProtocol, iteration: int, cancelled: Callable[[], bool]) -> bool:
         """Post iteration ``iteration``'s event; False when it completed the call."""
-        event = p.wait_event(iteration, None, cancelled)
+        event = p.wait_event(iteration, None, cancelled=cancelled)
         self.board.post_event(iteration, event == COMPLETE)
         return event != COMPLETE
 

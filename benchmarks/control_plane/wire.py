@@ -1,0 +1,204 @@
+"""The store as the simulated ranks see it: one client process's connections,
+and the store of one simulated rank over them, with its bytes on the wire.
+
+Requests are counted by the library itself (each simulated rank's
+:class:`~inprocess.control.protocol.RestartProtocol` counts its calls and
+their wire requests in its :class:`~inprocess.control.store_ops.CountingStore`);
+what is added here is a byte estimate from the torch TCPStore wire format:
+1 byte query type, strings and values sent as an 8-byte length plus the bytes
+(keys with the client's "/" prefix), 8-byte integers, 1-byte wait/check
+answers; a ``get`` (and a ``multi_get``) is a WAIT then a GET on the wire;
+``set`` and ``append`` have no answer. TCP/IP headers are not counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import hashlib
+from typing import Any, Optional, Protocol
+
+from .config import HOST
+
+
+def as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def key_bytes(key: str) -> int:
+    """A key on the wire: its length, the client's "/" prefix, the key."""
+    return 8 + 1 + len(key.encode())
+
+
+class Tally:
+    """The bytes one simulated rank (or node relay, or fault reporter) sent and received."""
+
+    __slots__ = ("out", "inb", "decision")
+
+    def __init__(self) -> None:
+        self.out = 0  # bytes sent
+        self.inb = 0  # bytes received
+        self.decision = ""  # digest of the decision bytes this rank published or read
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.out, self.inb
+
+
+class Connections:
+    """The TCPStore client connections of one client process.
+
+    Two per group (non-blocking operations; blocking waits and gets), one for
+    the barrier's leader once it blocks (see ``Group.hand_over``) and one for
+    control (fault injection, end of job).
+    """
+
+    def __init__(self, port: int, groups: int, timeout_s: float):
+        import torch.distributed as dist
+
+        td = datetime.timedelta(seconds=timeout_s)
+
+        def connect(_: int) -> Any:
+            return dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False, use_libuv=True, timeout=td)
+
+        # Connect a few at a time: a connect may wait on the resolver (see harness.CHILD_ENV).
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            made = list(pool.map(connect, range(2 * groups + 2)))
+        self.ops = made[0:2 * groups:2]  # per group: non-blocking operations
+        self.waits = made[1:2 * groups:2]  # per group: blocking waits and gets
+        self.lead = made[-2]  # the leader of a barrier, once its group went on without it
+        self.control = made[-1]  # the client's command loop (fault injection, end of job)
+        self.count = len(made)
+
+
+class Deferred(BaseException):
+    """Raised by a rank's wait for the decision while its group is still arriving.
+
+    A BaseException: the protocol's waits let it through untouched, and
+    ``barrier`` has nothing to unwind. The group then finishes the rank with
+    ``wait_decision``, which is what ``barrier`` returns for a non-leader.
+    Nothing was sent, but the rank's CountingStore counted the get: see
+    ``SimRank.unsent_get``.
+    """
+
+
+class Turns(Protocol):
+    """How a group of simulated ranks takes turns on its connections (ranks.Group, nodes.NodeGroup)."""
+
+    def arriving(self) -> bool:
+        """This thread is making the group's ranks arrive at a barrier."""
+
+    def leading(self) -> bool:
+        """This thread stays with the barrier's leader, on the leader connection."""
+
+    def hand_over(self) -> None:
+        """The leader blocks here: a new thread goes on with the rest of the group."""
+
+    def lead_connection(self) -> Any:
+        """The process's connection for a leader that blocked."""
+
+
+# Keys whose value the protocol waits for with a blocking get.
+_BLOCKING_GETS = ("/event", "/decision")
+
+
+class SharedStore:
+    """One simulated rank's store (main or trigger side) over its group's connections.
+
+    Has the torch Store methods the protocol uses, tallies bytes. Non-blocking
+    calls go to the group's operations connection, blocking ones (``wait``,
+    the ``get`` of the event and of the decision) to its waits connection; a
+    leader that blocked uses the process's leader connection for everything,
+    so that its group never queues behind it (torch's client runs one call at
+    a time per connection).
+    """
+
+    def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional[Turns],
+                 cap_s: Optional[float] = None):
+        self._op = op_conn
+        self._wait_conn = wait_conn
+        self._t = tally
+        self._group = group
+        self._timeout = op_conn.timeout  # what set_timeout gave; applied to the connection of each get
+        # A node relay's blocking gets have no deadline (WAIT_CHUNK_S chunks);
+        # capped here so that a stalled simulation fails within the job's timeout.
+        self._cap = None if cap_s is None else datetime.timedelta(seconds=cap_s)
+
+    def _conns(self) -> tuple[Any, Any]:
+        g = self._group
+        if g is not None and g.leading():
+            lead = g.lead_connection()
+            return lead, lead
+        return self._op, self._wait_conn
+
+    def _saw(self, key: str, raw: bytes) -> None:
+        if key.endswith("/decision"):
+            self._t.decision = hashlib.sha1(raw).hexdigest()[:16]
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout if self._cap is None else min(timeout, self._cap)  # client-side: no request
+
+    def set(self, key: str, value: Any) -> None:
+        v = as_bytes(value)
+        self._t.out += 1 + key_bytes(key) + 8 + len(v)
+        self._conns()[0].set(key, v)
+        self._saw(key, v)
+
+    def get(self, key: str) -> bytes:
+        op, wait = self._conns()
+        conn = op
+        if key.endswith(_BLOCKING_GETS):
+            g = self._group
+            if g is not None and g.arriving() and key.endswith("/decision"):
+                raise Deferred()  # nothing was sent: the group sends this get once it has arrived
+            conn = wait
+        conn.set_timeout(self._timeout)
+        raw = conn.get(key)
+        t = self._t
+        t.out += (1 + 8 + key_bytes(key)) + (1 + key_bytes(key))  # WAIT (answered once the key exists) + GET
+        t.inb += 1 + 8 + len(raw)
+        self._saw(key, raw)
+        return raw
+
+    def add(self, key: str, amount: int) -> int:
+        t = self._t
+        t.out += 1 + key_bytes(key) + 8
+        t.inb += 8
+        return self._conns()[0].add(key, amount)
+
+    def append(self, key: str, value: Any) -> None:
+        v = as_bytes(value)
+        self._t.out += 1 + key_bytes(key) + 8 + len(v)
+        self._conns()[0].append(key, v)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        e, d = as_bytes(expected), as_bytes(desired)
+        out = self._conns()[0].compare_set(key, e, d)
+        t = self._t
+        t.out += 1 + key_bytes(key) + 8 + len(e) + 8 + len(d)
+        t.inb += 8 + len(out)
+        return out
+
+    def check(self, keys: list[str]) -> bool:
+        t = self._t
+        t.out += 1 + 8 + sum(key_bytes(k) for k in keys)
+        t.inb += 1
+        return self._conns()[0].check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        g = self._group
+        if g is not None and g.arriving():
+            g.hand_over()  # the leader blocks here (for "ready"): a new thread goes on with the group
+        t = self._t
+        t.out += 1 + 8 + sum(key_bytes(k) for k in keys)
+        t.inb += 1
+        self._conns()[1].wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        t = self._t
+        t.out += 1 + key_bytes(key)
+        t.inb += 8
+        return self._conns()[0].delete_key(key)
