@@ -18,10 +18,14 @@ So no write may fail. Per connected socket of the failed iteration's groups:
 
 1. hold: a second descriptor keeps the socket open after gloo closes its
    own, so the peer's writes keep succeeding;
-2. once nothing this rank wrote is still queued (bounded by ``gate_s``):
-   ``shutdown(SHUT_RD)``. This rank's gloo loop reads what is queued, then
-   end of file: the pair fails and wakes its waiters, while this rank's own
-   sends still go out;
+2. once the socket is quiet: nothing this rank wrote still waits to be
+   sent, nothing received is unread, and no data went either way for
+   ``quiet_ms`` (bounded by ``gate_s``): ``shutdown(SHUT_RD)``. This rank's
+   gloo loop reads what is queued, then end of file: the pair fails and
+   wakes its waiters, while this rank's own sends still go out. Waiting for
+   quiet lets a message that is being sent or read finish first: gloo does
+   not wake the buffer of a message cut by the end of file either (seen
+   here: a 256 MB recv cut that way waited for the group's timeout);
 3. once gloo has closed its descriptor: read and drop whatever the peer
    still sends, so that its writes never block;
 4. close the hold when the peer closed its end, or at :meth:`close_all`
@@ -29,9 +33,9 @@ So no write may fail. Per connected socket of the failed iteration's groups:
    then passed the restart barrier and destroyed the failed groups).
 
 What it cannot prevent: a peer that is dead has closed its end already (a
-send to it may still be stranded until the timeout), and a message larger
-than what the kernel queues hold can be cut by the end of file while it is
-being read.
+send to it may still be stranded until the timeout), and a message still
+being read when the gate gives up, or whose sender stalled for longer than
+``quiet_ms`` in its middle, is cut by the end of file.
 """
 
 from __future__ import annotations
@@ -59,11 +63,14 @@ class _Held:
 class ConnectionRelease:
     """Holds, shuts and drains the connections of a failed iteration (see the module)."""
 
-    def __init__(self, gate_s: float = 1.0, busy_poll_s: float = 0.001, idle_poll_s: float = 0.02):
-        if gate_s < 0 or busy_poll_s <= 0 or idle_poll_s < busy_poll_s:
-            raise ValueError(f"gate_s={gate_s}, busy_poll_s={busy_poll_s}, idle_poll_s={idle_poll_s}: "
-                             "expected gate_s >= 0 and 0 < busy_poll_s <= idle_poll_s")
+    def __init__(self, gate_s: float = 2.0, quiet_ms: int = 3, busy_poll_s: float = 0.001,
+                 idle_poll_s: float = 0.02):
+        if gate_s < 0 or quiet_ms < 0 or busy_poll_s <= 0 or idle_poll_s < busy_poll_s:
+            raise ValueError(f"gate_s={gate_s}, quiet_ms={quiet_ms}, busy_poll_s={busy_poll_s}, "
+                             f"idle_poll_s={idle_poll_s}: expected gate_s >= 0, quiet_ms >= 0 and "
+                             "0 < busy_poll_s <= idle_poll_s")
         self._gate_s = gate_s
+        self._quiet_ms = quiet_ms
         self._busy_poll_s = busy_poll_s
         self._idle_poll_s = idle_poll_s
         self._lock = threading.Lock()
@@ -72,7 +79,7 @@ class ConnectionRelease:
 
     def release(self, connections: dict[int, str]) -> int:
         """Hold every connected socket of connections (fd -> identity) and shut the read
-        side of those with nothing unsent now, the rest as soon as their queue is empty.
+        side of those that are quiet now, the others as soon as they are (see the module).
         Returns how many sockets are being released."""
         deadline = time.monotonic() + self._gate_s
         added = []
@@ -81,7 +88,7 @@ class ConnectionRelease:
             if hold is None:
                 continue  # closed already, not connected, or a listener
             h = _Held(fd, ident, hold, deadline)
-            if sockets.unsent_bytes(hold) == 0:
+            if self._quiet(hold):
                 sockets.shutdown_read(hold)
                 h.shut = True
             added.append(h)
@@ -91,7 +98,7 @@ class ConnectionRelease:
                 self._thread = threading.Thread(target=self._run, name="inprocess-gloo-release", daemon=True)
                 self._thread.start()
         deferred = sum(1 for h in added if not h.shut)
-        log.debug("releasing %d connections (%d wait for their send queue)", len(added), deferred)
+        log.debug("releasing %d connections (%d wait until they are quiet)", len(added), deferred)
         return len(added)
 
     def held(self) -> int:
@@ -105,6 +112,10 @@ class ConnectionRelease:
         for h in held:
             _close(h)
         return len(held)
+
+    def _quiet(self, fd: int) -> bool:
+        return (sockets.unsent_bytes(fd) == 0 and sockets.unread_bytes(fd) == 0
+                and sockets.quiet_ms(fd) >= self._quiet_ms)
 
     def _run(self) -> None:
         idle = self._busy_poll_s
@@ -123,9 +134,9 @@ class ConnectionRelease:
         keep = []
         for h in self._held:
             if not h.shut:
-                if sockets.unsent_bytes(h.hold) == 0 or now >= h.shut_by:
+                if self._quiet(h.hold) or now >= h.shut_by:
                     if now >= h.shut_by:
-                        log.debug("%s: send queue not empty after %gs, shut anyway", h.ident, self._gate_s)
+                        log.debug("%s: not quiet after %gs, shut anyway", h.ident, self._gate_s)
                     sockets.shutdown_read(h.hold)
                     h.shut = True
                 busy = True

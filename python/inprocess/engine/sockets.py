@@ -143,6 +143,22 @@ def unread_bytes(fd: int) -> int:
         return 0
 
 
+def quiet_ms(fd: int) -> int:
+    """Milliseconds since data last went out or came in on the socket, whichever is later
+    (tcp_info's last_data_sent and last_data_recv); 0 if unknown."""
+    sock = socket.socket(fileno=fd)
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        if len(info) < 56:
+            return 0
+        last_sent, last_recv = struct.unpack_from("<I4xI", info, 44)
+        return int(min(last_sent, last_recv))
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
+
+
 def peer_closed(fd: int) -> bool:
     """True once the peer closed its end (or reset the connection): it sends nothing more."""
     sock = socket.socket(fileno=fd)
