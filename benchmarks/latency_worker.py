@@ -17,7 +17,10 @@ keywords (default: soft 30 s, hard 60 s, barrier 90 s). PING=1: call
 call_wrapper.ping() at every step (manual progress). UNGUARDED_INIT=1: build
 the process group and DDP inside call_wrapper.disable_hang_protection(), so
 that a slow rendezvous on a loaded machine is not taken for a hang by a short
-soft_timeout (the training steps stay guarded).
+soft_timeout (the training steps stay guarded). GLOO_TIMEOUT: the timeout of
+the gloo process group in seconds (default 30). HIDDEN: the MLP's hidden
+width (default 128; 4096 gives 1 MB of gradients). LOG_FILE: this rank's stdout
+and stderr go to LOG_FILE.<initial rank> instead of the launcher's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ STEPS = int(os.environ.get("STEPS", "10"))
 FAULT_KIND = os.environ.get("FAULT_KIND", "exception")
 PING = os.environ.get("PING", "0") == "1"
 UNGUARDED_INIT = os.environ.get("UNGUARDED_INIT", "0") == "1"
+HIDDEN = int(os.environ.get("HIDDEN", "128"))
+GLOO_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("GLOO_TIMEOUT", "30")))
 RANK = int(os.environ["RANK"])
+if os.environ.get("LOG_FILE"):
+    _log_fd = os.open(f"{os.environ['LOG_FILE']}.{RANK}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(_log_fd, 1)
+    os.dup2(_log_fd, 2)
+    os.close(_log_fd)
 if os.environ.get("INPROCESS_TEST_LOG"):
     import logging
 
@@ -85,12 +95,13 @@ def _train_steps(iteration: int, rank: int, world_size: int, store: dist.Store |
     record(event="start", iteration=iteration, t_ns=t_init)
     with unguarded():
         if store is None:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GLOO_TIMEOUT)
         else:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=30))
+                                    timeout=GLOO_TIMEOUT)
+        record(event="pg_ready", iteration=iteration, t_ns=time.monotonic_ns())
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     loss = torch.zeros(())

@@ -35,9 +35,11 @@ class AbortTorchDistributed(Abort):
     backends are not: in torch 2.13 ``ProcessGroupGloo.abort()`` stops the
     group's worker threads, so a work still queued never completes and a
     waiter (DDP's ``Reducer::finalize_backward``) blocks forever (seen here).
-    Gloo is released instead by shutting its pair sockets down (see
-    :mod:`inprocess.engine.pg_tracker`): every work in flight or queued then fails
-    at once.
+    Gloo is released instead through its connections (see
+    :mod:`inprocess.engine.connection_release`): this rank's side of every
+    pair reads end of file and fails, which fails every work in flight or
+    queued, while the sockets stay open for the peers' sends (a send whose
+    write fails is stranded in gloo until the group's timeout).
 
     The groups are destroyed afterwards by the engine, in the main thread,
     once it is back from the failed iteration: destroying them here, in the

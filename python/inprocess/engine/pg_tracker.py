@@ -2,14 +2,14 @@
 
 Two facts of torch 2.13 shape this module:
 
-* ``ProcessGroupGloo.abort()`` returns at once but leaves a collective in
-  flight blocked until its peer process exits. A blocked gloo pair returns
-  only when its socket fails, so :func:`release_connections` shuts the pair
-  sockets down: the read in flight fails at once ("Connection closed") and
-  the collective raises. Only sockets that appeared while torch created a
-  process group are touched, never a listening socket (gloo's listener
-  thread aborts the process when accept() fails). ``shutdown(2)`` leaves the
-  descriptors open: gloo still owns them and closes them on destruction.
+* A gloo collective in flight returns only when one of its pair sockets
+  fails (``ProcessGroupGloo.abort()`` returns at once and leaves it blocked
+  until its peer process exits). :func:`release_connections` makes every
+  pair of the failed iteration fail without ever making a send fail (a
+  failed send is stranded until the group's timeout): see
+  :mod:`inprocess.engine.connection_release`. Only sockets that appeared
+  while torch created a process group are touched, never a listening
+  socket (gloo's listener thread aborts the process when accept() fails).
 * ``~ProcessGroupGloo`` joins its worker threads while the destroying thread
   holds the GIL, and a worker that destroys a finished work needs the GIL
   (its ThreadLocalState holds a Python object): if the last reference to a
@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 from . import sockets
+from .connection_release import ConnectionRelease
 
 log = logging.getLogger("inprocess")
 
@@ -37,6 +38,7 @@ _lock = threading.Lock()
 _sockets: dict[int, str] = {}  # fd -> "socket:[inode]" when it was recorded
 _groups: list[Any] = []  # what _new_process_group_helper returned: keeps each group alive
 _installed = False
+_release = ConnectionRelease()
 
 
 def install() -> bool:
@@ -59,6 +61,11 @@ def install() -> bool:
 
         @functools.wraps(original)
         def tracking_helper(*args: Any, **kwargs: Any) -> Any:
+            # A new group after a restart: every peer passed the restart barrier, so
+            # none still sends on the failed iteration's connections.
+            closed = _release.close_all()
+            if closed:
+                log.debug("closed %d connections held since the last abort", closed)
             before = sockets.socket_fds()
             result = None
             try:
@@ -87,13 +94,28 @@ def tracked() -> tuple[int, int]:
 
 
 def release_connections() -> int:
-    """Shut down every tracked connected socket; returns how many were shut down."""
+    """Make every tracked connection fail for its owner (see
+    :mod:`inprocess.engine.connection_release`); returns how many are released.
+
+    Safe from any thread. The connections stay held (open, and drained once
+    gloo closed them) until :func:`close_released_connections` or the next
+    process group this rank creates.
+    """
     with _lock:
         tracked = dict(_sockets)
         _sockets.clear()
-    count, gone = sockets.shutdown_connected(tracked)
-    log.debug("released %d of %d tracked sockets (%d already closed)", count, len(tracked), len(gone))
+    count = _release.release(tracked)
+    log.debug("releasing %d of %d tracked sockets", count, len(tracked))
     return count
+
+
+def close_released_connections() -> int:
+    """Close what :func:`release_connections` still holds; returns how many.
+
+    Call it once no peer can still send on the failed iteration's
+    connections: after the restart barrier, or when the wrapped call ends.
+    """
+    return _release.close_all()
 
 
 def release_groups() -> int:

@@ -1,15 +1,27 @@
-"""Finding this process's sockets and shutting chosen ones down.
+"""Finding this process's sockets and acting on chosen ones without taking them from their owner.
 
 Used to release a thread blocked on a connection (a gloo pair, the
-iteration store's client) without closing the descriptor under its owner:
-``shutdown(2)`` makes the blocked read or write fail at once, and the owner
-still closes the descriptor itself.
+iteration store's client): ``shutdown(2)`` makes the blocked read fail at
+once while the owner still closes its descriptor itself. A socket is named by
+its descriptor *and* its identity ("socket:[inode]"), so that a number the
+owner closed and the kernel handed out again is never mistaken for it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
+import termios
+from typing import Optional
+
+# Linux TCP states (include/net/tcp_states.h): the peer closed its end.
+_TCP_CLOSE_WAIT = 8
+_TCP_CLOSE = 7
+_TCP_LAST_ACK = 9
+# linux/sockios.h: output queue size, not yet sent (the ioctl module has no name for it).
+_SIOCOUTQNSD = 0x894B
 
 
 def socket_fds() -> dict[int, str]:
@@ -67,6 +79,15 @@ def accepted_by_older_listeners(new: dict[int, str], before: dict[int, str]) -> 
     return accepted
 
 
+def identity(fd: int) -> Optional[str]:
+    """ "socket:[inode]" of descriptor fd, or None if it is closed or not a socket."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.startswith("socket:") else None
+
+
 def shutdown_connected(sockets: dict[int, str]) -> tuple[int, list[int]]:
     """Shut down each socket still open under the same identity, never a listener.
 
@@ -75,8 +96,8 @@ def shutdown_connected(sockets: dict[int, str]) -> tuple[int, list[int]]:
     current = socket_fds()
     count = 0
     gone = []
-    for fd, identity in sockets.items():
-        if current.get(fd) != identity:
+    for fd, ident in sockets.items():
+        if current.get(fd) != ident:
             gone.append(fd)  # closed, or the number now belongs to someone else
             continue
         try:
@@ -96,3 +117,103 @@ def shutdown_connected(sockets: dict[int, str]) -> tuple[int, list[int]]:
         finally:
             sock.detach()
     return count, gone
+
+
+def hold_connected(fd: int, ident: str) -> Optional[int]:
+    """A second descriptor of the connected TCP socket (fd, ident), or None.
+
+    The socket then stays open when its owner closes fd: the peer sees no
+    FIN or RST until the hold is closed too. None for a listener, a socket
+    that is not connected, or one that is no longer (fd, ident).
+    """
+    try:
+        held = os.dup(fd)  # not inheritable (os.dup's default)
+    except OSError:
+        return None
+    # The owner may have closed fd and the number been reused before the dup.
+    if identity(held) != ident:
+        os.close(held)
+        return None
+    sock = socket.socket(fileno=held)
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            raise OSError("not a TCP socket")
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError("a listener")
+        sock.getpeername()  # raises when not connected
+    except OSError:
+        sock.close()
+        return None
+    sock.detach()
+    return held
+
+
+def shutdown_read(fd: int) -> bool:
+    """shutdown(fd, SHUT_RD): reads return what is queued, then end of file; writes still go out."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RD)
+        return True
+    except OSError:
+        return False  # not connected any more: nothing to release on it
+    finally:
+        sock.detach()
+
+
+def unsent_bytes(fd: int) -> int:
+    """Bytes written to the socket and not sent yet, because the peer's window is full
+    (SIOCOUTQNSD; bytes sent and waiting for a possibly delayed ACK do not count)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, _SIOCOUTQNSD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes received and not yet read (SIOCINQ)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+def quiet_ms(fd: int) -> int:
+    """Milliseconds since data last went out or came in on the socket, whichever is later
+    (tcp_info's last_data_sent and last_data_recv); 0 if unknown."""
+    sock = socket.socket(fileno=fd)
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        if len(info) < 56:
+            return 0
+        last_sent, last_recv = struct.unpack_from("<I4xI", info, 44)
+        return int(min(last_sent, last_recv))
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
+
+
+def peer_closed(fd: int) -> bool:
+    """True once the peer closed its end (or reset the connection): it sends nothing more."""
+    sock = socket.socket(fileno=fd)
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+        return state in (_TCP_CLOSE_WAIT, _TCP_CLOSE, _TCP_LAST_ACK)
+    except OSError:
+        return True
+    finally:
+        sock.detach()
+
+
+def discard_input(fd: int, limit: int = 1 << 20) -> int:
+    """Read and drop up to limit queued bytes without blocking; returns how many."""
+    n = min(unread_bytes(fd), limit)
+    if n <= 0:
+        return 0
+    sock = socket.socket(fileno=fd)
+    try:
+        return len(sock.recv(n, socket.MSG_DONTWAIT))
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
