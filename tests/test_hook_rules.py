@@ -3,7 +3,8 @@
 * initialize: an Exception is a fault of the rank -> the job restarts, every rank continues;
 * abort, finalize, health_check: any exception terminates that rank -> the others go on without it
   (health_check's as HealthCheckError; it also runs before every iteration, where it is a fault);
-* rank_assignment (runs once, on the leader): the job ends on every rank with RestartAbort;
+* rank_assignment (runs once, on the leader): the job ends on every rank, the leader with the hook's own
+  exception, the others with RestartAbort naming it;
 * completion: the exception propagates to that rank's caller, the others return normally;
 * terminate: the rank still leaves with the exception that terminated it.
 """
@@ -72,7 +73,12 @@ def test_lost_cuda_context_in_health_check_ends_the_process_with_76(job, faults,
 def test_rank_assignment_exception_ends_the_job_everywhere(job):
     plan = {"steps": 8, "faults": [FAULT_ON_2], "wrapper": {"rank_assignment": {"raise_at_iteration": 1}}}
     res = job(plan)
-    for r in range(4):
+    raised = {r: res.rank(r)["exception"] for r in range(4)}
+    # The leader ran the hook: it leaves with the hook's own exception; every other rank with RestartAbort.
+    leaders = [r for r, name in raised.items() if name == "RuntimeError"]
+    assert len(leaders) == 1, raised
+    assert "injected rank assignment failure" in res.rank(leaders[0])["message"]
+    for r in set(range(4)) - set(leaders):
         log = res.rank(r)
         assert log["exception"] == "RestartAbort", log
         assert "rank assignment failed" in log["message"] and "injected rank assignment failure" in log["message"]

@@ -86,3 +86,51 @@ def test_a_failing_finalize_terminates_that_rank_with_its_own_exception(tmp_path
         # The others go on without it, renumbered from 0.
         assert seen[rank]["outcome"] == {"returned": rank}
         assert seen[rank]["calls"] == ONE_RESTART
+
+
+def run_allowing(tmp_path: pathlib.Path, program: str, world_size: int, exits: dict[int, int],
+                 **env: str) -> dict[int, dict[str, Any]]:
+    """As run(), for a job where the ranks of ``exits`` end with that status (and write nothing)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with LocalJob([str(PROGRAMS / program)], world_size, env={"MIGRATION_OUT": str(out), **env}) as job:
+        ranks = job.wait(200)
+    codes = {r: rp.returncode for r, rp in enumerate(ranks)}
+    assert codes == {r: exits.get(r, 0) for r in range(world_size)}, job.outputs()[-6000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size) if r not in exits}
+
+
+COMPOSE_FORMS = {"no_argument": 42, "several_arguments": 6, "none_warns": True, "is_rank_assignment": True}
+
+
+def test_custom_per_rank_assignment_and_compose_on_one_rank(tmp_path):
+    seen = run(tmp_path, "assignment.py", 1, MIGRATION_FAULT="0:3:raise", MIGRATION_MAX_ACTIVE="1")
+    s = seen[0]
+    assert s["outcome"] == {"returned": {"rank": 0, "world_size": 1, "sum": 8.0}}, s
+    assert s["iterations"] == [[0, 0, 1], [1, 0, 1]]
+    # At the initial barrier and at the restart: the state of the iteration that ended (0 both times,
+    # as there), nobody left.
+    assert s["assignment"] == [[0, []]], s
+    assert s["finalize"] == ["first", "second"]  # Compose(second, first): right to left
+    assert s["initialize_is_initialize"] and s["compose"] == COMPOSE_FORMS
+
+
+def test_custom_per_rank_assignment_a_spare_takes_the_place_of_a_dead_rank(tmp_path):
+    # Four ranks, three active (MaxActiveWorldSize(3)): initial rank 3 waits as a spare. Initial rank 1
+    # ends its process in iteration 0; ShiftRanks renumbers 0, 2, 3 as 0, 1, 2 and all three are active.
+    seen = run_allowing(tmp_path, "assignment.py", 4, {1: 3}, MIGRATION_FAULT="1:3:exit", MIGRATION_MAX_ACTIVE="3")
+    new_rank = {0: 0, 2: 1, 3: 2}
+    for initial, s in seen.items():
+        assert s["outcome"] == {"returned": {"rank": new_rank[initial], "world_size": 3, "sum": 24.0}}, s
+        assert s["compose"] == COMPOSE_FORMS and s["initialize_is_initialize"]
+        # The per-rank hook's inputs are agreed: every rank saw nobody leave at the initial barrier, then
+        # the same terminated set (numbered by rank) at the restart.
+        assert s["assignment"] == [[0, []], [0, [1]]], s
+    assert [it[0] for it in seen[3]["iterations"]] == [1]  # the spare ran only once activated
+    assert seen[0]["iterations"] == [[0, 0, 3], [1, 0, 3]]
+
+
+def test_a_failing_rank_assignment_raises_its_own_exception_on_one_rank(tmp_path):
+    seen = run(tmp_path, "assignment.py", 1, MIGRATION_FAULT="0:3:raise", MIGRATION_MAX_ACTIVE="1",
+               MIGRATION_RA_RAISES="1")
+    assert seen[0]["outcome"] == {"raised": "ValueError", "message": "rank assignment failed at the restart"}

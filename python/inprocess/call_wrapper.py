@@ -38,7 +38,6 @@ from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
-from .gpu.errors import CudaContextLost, leave_for_lost_context
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -47,6 +46,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
+from .gpu.errors import CudaContextLost, leave_for_lost_context
 from .rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from .state import FrozenState, Mode, State
 
@@ -409,7 +409,10 @@ class CallWrapper:
         s.iteration = decision.iteration
         if decision.abort is not None:
             self._runtime.protocol.leave(decision.iteration, m.world_size)
-            raise LeaveJob(RestartAbort(decision.abort), Leave.JOB_ABORTED)
+            # The leader ran the failing hook: it leaves with the hook's own exception, as a
+            # per-rank caller would; the others with a RestartAbort that names it.
+            failure = self._assignment.take_failure() if decision.leader == r else None
+            raise LeaveJob(failure or RestartAbort(decision.abort), Leave.JOB_ABORTED)
         try:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
             self._assignment.verify(decision, previous, before, self._read_topology)

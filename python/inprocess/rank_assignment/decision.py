@@ -184,6 +184,7 @@ def decide(
     topology: Optional[Topology] = None,
     *,
     hook_iteration: Optional[int] = None,
+    failures: Optional[list[BaseException]] = None,
 ) -> Decision:
     """The leader's one decision for the whole job.
 
@@ -192,7 +193,10 @@ def decide(
     first); ``dead`` the initial ranks lost at this restart. Never raises: a
     failing or inconsistent rank assignment, or a rank that reported a
     :class:`RankAssignmentMismatch`, becomes a decision that ends the job on
-    every rank (``abort``), with the error in its message.
+    every rank (``abort``), with the error in its message. The exception of
+    a failing hook (not the consistency checks' own) is appended to
+    ``failures``: the leader leaves with it, as the caller of a per-rank hook
+    would.
     """
     start = time.monotonic_ns()
     abort = None
@@ -213,6 +217,8 @@ def decide(
         membership.terminate(dead)
         newly = set(dead)
         abort = f"rank assignment failed: {type(e).__name__}: {e}"
+        if failures is not None and not isinstance(e, (InconsistentAssignment, RankAssignmentMismatch)):
+            failures.append(e)
     end = time.monotonic_ns()
     return Decision(
         iteration, membership, sorted(newly), faults, len(faults), leader, abort, end, assignment_ns=end - start

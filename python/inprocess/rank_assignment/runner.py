@@ -33,6 +33,7 @@ class AssignmentRunner:
         self.per_rank = uses_per_rank_hooks(rank_assignment)
         self._owners = key_gathering_leaves(rank_assignment)
         self._topology: Optional[Topology] = None
+        self._failures: list[BaseException] = []
 
     def local_keys(self, state: FrozenState) -> Optional[list[list[str]]]:
         """This rank's keys for every member that groups ranks, or None if none does."""
@@ -63,8 +64,14 @@ class AssignmentRunner:
         table = initial_membership(state.initial_world_size) if previous is None else previous
         return decide(
             self.rank_assignment, table, dead, faults, iteration, leader, self.topology(read_topology),
-            hook_iteration=state.iteration,
+            hook_iteration=state.iteration, failures=self._failures,
         )
+
+    def take_failure(self) -> Optional[BaseException]:
+        """The exception of the hook that failed in this process's last :meth:`decide`, if any."""
+        failure = self._failures[-1] if self._failures else None
+        self._failures.clear()
+        return failure
 
     def verify(
         self,
