@@ -78,7 +78,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_ATTRIBUTES) | set(_LAZY_MODULES))
+    return sorted(set(__all__) | {"__version__"})
 
 
 __all__ = [

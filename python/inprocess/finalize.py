@@ -31,7 +31,8 @@ class ThreadedFinalize(Finalize):
     """
 
     def __init__(self, timeout: datetime.timedelta, fn: Callable[[FrozenState], object]):
-        if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+        given: object = timeout  # checked at run time: callers are not all type-checked
+        if not isinstance(given, datetime.timedelta) or given <= datetime.timedelta(0):
             raise ValueError(f"timeout={timeout!r}: expected a positive datetime.timedelta")
         if not callable(fn):
             raise ValueError(f"fn={fn!r}: expected a callable")

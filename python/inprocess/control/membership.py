@@ -124,6 +124,11 @@ class Membership:
             raise InternalError(f"ranks are not 0..{world - 1}")
         if not all(seen_active[:active]):
             raise InternalError(f"active ranks are not 0..{active - 1}")
+        self._validate_transition(previous, newly_terminated)
+
+    def _validate_transition(self, previous: Optional["Membership"], newly_terminated: Iterable[int]) -> None:
+        """Raise InternalError unless this table can follow ``previous`` with ``newly_terminated`` gone."""
+        n = len(self.mode)
         if previous is not None:
             if previous.initial_world_size != n:
                 raise InternalError(f"initial world size changed from {previous.initial_world_size} to {n}")

@@ -66,11 +66,9 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any, Callable, Iterable, Optional
 
 from ..exception import InternalError
-from .membership import Membership
 from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks

@@ -231,7 +231,8 @@ class TCPStoreClient:
         timeout: Timeout = datetime.timedelta(seconds=300),
         connect_timeout: Timeout = datetime.timedelta(seconds=60),
     ):
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        given: object = port  # checked at run time: callers are not all type-checked
+        if not isinstance(given, int) or isinstance(given, bool) or not 0 < given < 65536:
             raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
         self.host = host
         self.port = port
@@ -284,7 +285,8 @@ class TCPStoreClient:
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer stored at ``key`` (0 when missing); returns the sum."""
-        if not isinstance(amount, int) or isinstance(amount, bool) or not _I64_MIN <= amount <= _I64_MAX:
+        given: object = amount  # checked at run time: callers are not all type-checked
+        if not isinstance(given, int) or isinstance(given, bool) or not _I64_MIN <= given <= _I64_MAX:
             raise ValueError(f"add() takes a 64-bit signed integer, got {amount!r}")
         request = bytes((_ADD,)) + _string(_key(key)) + _I64.pack(amount)
         return self._run("add", key, self._timeout, self._request_i64, request)
