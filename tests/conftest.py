@@ -108,3 +108,10 @@ def job(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
         return run_job(tmp_path, plan, **kwargs)
 
     return run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that runs a job through the ``job`` fixture starts processes: marked so, wherever it is."""
+    for item in items:
+        if "job" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiprocess)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_excluded
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiprocess]
 
 TIMEOUTS = {"soft_timeout": 2, "hard_timeout": 4, "progress_watchdog_interval": 0.2, "barrier_timeout": 30}
 

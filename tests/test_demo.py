@@ -12,6 +12,8 @@ import pytest
 from conftest import leftover_processes
 from inprocess.launch import LocalJob
 
+pytestmark = pytest.mark.multiprocess
+
 DEMO = pathlib.Path(__file__).parent.parent / "examples" / "demo.py"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiprocess]
 
 FAST_TIMEOUTS = {"soft_timeout": 2, "hard_timeout": 8, "progress_watchdog_interval": 0.2, "barrier_timeout": 30}
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_excluded
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiprocess]
 
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
 WRAPPER = {"soft_timeout": 5, "hard_timeout": 8, "progress_watchdog_interval": 0.2, "barrier_timeout": 30, **HEARTBEAT}

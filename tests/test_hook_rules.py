@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiprocess]
 
 FAULT_ON_2 = {"iteration": 0, "rank": 2, "step": 3, "kind": "exception"}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.multiprocess]
 
 
 def exc(kind: str, rank: int, iteration: int, step: int = 3) -> dict:

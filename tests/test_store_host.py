@@ -20,7 +20,7 @@ from inprocess.control.protocol import done_key, monitor_heartbeat_key
 from inprocess.processes import contract, store_host
 from inprocess.processes.contract import HelperProcess, StoreHostConfig
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.multiprocess]
 
 
 def _client(port: int) -> dist.TCPStore:

@@ -20,6 +20,8 @@ import pytest
 
 from inprocess.launch import LocalJob
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = pathlib.Path(__file__).parent / "workers" / "tree_worker.py"
 
 
