@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
-from .engine.leave import Leave, LeaveJob
+from .engine.leave import Leave, LeaveJob, drop_frames
 from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
@@ -46,7 +45,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
-from .gpu.errors import CudaContextLost, leave_for_lost_context
+from .gpu.errors import leave_for_lost_context, lost_context_in
 from .rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from .state import FrozenState, Mode, State
 
@@ -245,7 +244,7 @@ class CallWrapper:
         if self._runtime.interrupter.fired:
             # Raised because the restart aborted what this rank was doing.
             log.debug("rank %d: %s while restarting", s.initial_rank, type(e).__name__)
-            _drop_frames(e)
+            drop_frames(e)
             return
         if not isinstance(e, Exception):
             raise LeaveJob(e, Leave.TERMINATED) from None
@@ -264,7 +263,7 @@ class CallWrapper:
         if first_hand:
             s.fn_exception = e
         log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
-        _drop_frames(e)
+        drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
         self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
@@ -368,7 +367,7 @@ class CallWrapper:
         try:
             self._check_health()
         except HealthCheckError as e:
-            if _lost_context(e) is not None:
+            if lost_context_in(e) is not None:
                 raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
             raise
 
@@ -452,7 +451,7 @@ class CallWrapper:
         s = self.state
         p = self._runtime.protocol
         exc = leaving.exc
-        _drop_frames(exc)
+        drop_frames(exc)
         # Before the fault is reported: its restart is for the others, this rank must not abort itself.
         self._runtime.trigger.stop(timeout=0)
         s.mode = Mode.TERMINATED
@@ -474,7 +473,7 @@ class CallWrapper:
             except BaseException as e:
                 log.error("terminate hook raised %s: %s", type(e).__name__, e)
                 exc.__context__ = e
-        lost = _lost_context(exc)
+        lost = lost_context_in(exc)
         if lost is not None:
             # Counted out above; the process must go so the launcher replaces it (exit status 76).
             leave_for_lost_context(lost)
@@ -594,28 +593,3 @@ class CallWrapper:
         events = self._rt.events if self._rt is not None else None
         if events is not None:
             events.emit(kind, t_ns, **fields)
-
-
-def _lost_context(exc: BaseException) -> Optional[CudaContextLost]:
-    """The :class:`CudaContextLost` that ``exc`` is or was raised from, if any."""
-    seen: set[int] = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, CudaContextLost):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Release the frames an exception holds (and with them the failed
-    iteration's models and process groups), keeping type and message."""
-    seen = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        e = e.__cause__ or e.__context__

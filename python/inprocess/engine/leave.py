@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import traceback
+from typing import Optional
 
 
 class Leave(enum.Enum):
@@ -31,3 +33,16 @@ class LeaveJob(Exception):
         super().__init__(reason.value)
         self.exc = exc
         self.reason = reason
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Release the frames an exception holds (and with them the failed
+    iteration's models and process groups), keeping type and message."""
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__

@@ -75,3 +75,15 @@ def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], ob
         except Exception:  # a closed or broken stream must not keep the process alive
             pass
     os._exit(EXIT_CODE_CONTEXT_LOST)
+
+
+def lost_context_in(exc: BaseException) -> Optional[CudaContextLost]:
+    """The :class:`CudaContextLost` that ``exc`` is or was raised from, if any."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CudaContextLost):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
