@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import inprocess
+from inprocess.engine import pg_tracker
 
 PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))
 OUT = os.environ["INPROCESS_TEST_OUT"]
@@ -220,6 +221,9 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     LAST_CALL["call"] = call_wrapper
     it = call_wrapper.iteration
     state = call_wrapper.frozen_state
+    # The failed iteration's gloo connections are held open until the next process group is made
+    # (engine.connection_release): "fds_pg", counted once it is made, is what must not grow.
+    log.setdefault("held", []).append(pg_tracker.held_connections())
     log["fds"].append(count_fds())
     log["threads"].append(threading.active_count())
     log.setdefault("excepthooks", []).append(repr(sys.excepthook))
@@ -239,6 +243,7 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     log["iterations"].append(entry)
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
                             world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 10)))
+    log.setdefault("fds_pg", []).append(count_fds())
     torch.manual_seed(model_seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     ddp = torch.nn.parallel.DistributedDataParallel(model)

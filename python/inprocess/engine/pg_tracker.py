@@ -118,6 +118,11 @@ def close_released_connections() -> int:
     return _release.close_all()
 
 
+def held_connections() -> int:
+    """How many released connections are still held open (one descriptor each)."""
+    return _release.held()
+
+
 def release_groups() -> int:
     """Destroy every torch.distributed group and drop the references kept here.
 
