@@ -36,21 +36,40 @@ HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held together while they are chosen, so never the same twice)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def run_once(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
+    """One job, tried again (up to 3 times) when another process took one of its ports meanwhile."""
+    for attempt in range(3):
+        try:
+            return run_job(python, library, world_size, scenario, timeout_s)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+            print(f"  ({library}, {world_size} ranks: a port was taken meanwhile; again)", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def run_job(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
     """One job; every rank reaped on every path (each in its own process group)."""
-    port = free_port()
+    port, meeting_port = free_ports(2)
     procs = []
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), STARTUP_LIBRARY=library, STARTUP_SCENARIO=scenario,
+                       MASTER_PORT=str(port), STARTUP_MEETING_PORT=str(meeting_port),
+                       STARTUP_LIBRARY=library, STARTUP_SCENARIO=scenario,
                        TORCH_CPP_LOG_LEVEL="ERROR")
             procs.append(subprocess.Popen([python, str(WORKER)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, start_new_session=True))

@@ -48,7 +48,7 @@ if library != "bare":
 
     fn = inprocess.Wrapper(**kwargs)(wrapped)
 
-meeting = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]) + 7, world_size, rank == 0,
+meeting = dist.TCPStore("127.0.0.1", int(os.environ["STARTUP_MEETING_PORT"]), world_size, rank == 0,
                         datetime.timedelta(seconds=60))
 if meeting.add("arrived", 1) == world_size:
     meeting.set("go", "1")  # the last to arrive lets everyone call at once
