@@ -304,7 +304,7 @@ def main() -> None:
 
     threads = {m: {c: by_thread(m, c) for c in ("main", "gloo", "other")} for m in ("wrapped", "plain")}
     lockstep = {m: [[round(us(t), 1) for t in r[m]] for r in ranks] for m in ("wrapped", "plain")}
-    ratios = [a / b for a, b in zip(w, p)]
+    ratios = [a / b for a, b in zip(w, p, strict=True)]
     slower = sum(1 for x in ratios if x > 1)
     ratio = statistics.median(w) / statistics.median(p)
     noise = (max(p) - min(p)) / statistics.median(p)

@@ -123,7 +123,8 @@ def run_torchrun(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
 def fmt(v: list[float]) -> str:
     if not v:
         return "n/a"
-    return f"median {statistics.median(v) * 1e3:8.1f} ms   range {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms   (n={len(v)})"
+    spread = f"range {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms"
+    return f"median {statistics.median(v) * 1e3:8.1f} ms   {spread}   (n={len(v)})"
 
 
 def main() -> None:
@@ -145,7 +146,8 @@ def main() -> None:
             tr = latencies(run_torchrun(args.faults, tmp), args.faults)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"fault-to-resume latency, 4 ranks, gloo DDP, {args.faults} faults (last rank's first step of the next attempt)")
+    print(f"fault-to-resume latency, 4 ranks, gloo DDP, {args.faults} faults "
+          "(last rank's first step of the next attempt)")
     print(f"  inprocess : {fmt(ip)}")
     if tr:
         print(f"  torchrun  : {fmt(tr)}")

@@ -54,7 +54,8 @@ def server(use_libuv: bool) -> Iterator[dist.TCPStore]:
 @pytest.fixture
 def theirs(server: dist.TCPStore, use_libuv: bool) -> dist.TCPStore:
     """torch's own client on the server."""
-    return dist.TCPStore(HOST, server.port, is_master=False, wait_for_workers=False, use_libuv=use_libuv, timeout=TIMEOUT)
+    return dist.TCPStore(HOST, server.port, is_master=False, wait_for_workers=False, use_libuv=use_libuv,
+                         timeout=TIMEOUT)
 
 
 @pytest.fixture
@@ -155,7 +156,7 @@ def test_set_get_both_ways(ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
 def test_add_matches_torch(ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
     # Mirror keys: the same sequence through each client gives the same answers.
     for client, prefix in ((ours, "o/"), (theirs, "t/")):
-        theirs.set(prefix + "preset", "40")
+        client.set(prefix + "preset", "40")
     _flush(theirs)
     answers = {}
     for client, prefix in ((ours, "o/"), (theirs, "t/")):
@@ -294,7 +295,7 @@ def test_wait_wakes_promptly(ours: TCPStoreClient, theirs: dist.TCPStore) -> Non
     delays = []
     for i in range(5):
         key = f"wake/{i}"
-        thread, out = _in_thread(lambda: ours.wait([key], timedelta(seconds=10)))
+        thread, out = _in_thread(lambda key=key: ours.wait([key], timedelta(seconds=10)))
         time.sleep(0.2)  # let the WAIT reach the server
         assert thread.is_alive(), out
         t_set = time.monotonic()
@@ -325,11 +326,12 @@ def test_writes_wake_waiters_like_torchs(
     torch 2.13's legacy server does not wake waiters when compare_set creates
     the key (its libuv server does): we check that our client sees the same.
     """
-    other = dist.TCPStore(HOST, server.port, is_master=False, wait_for_workers=False, use_libuv=use_libuv, timeout=TIMEOUT)
+    other = dist.TCPStore(HOST, server.port, is_master=False, wait_for_workers=False, use_libuv=use_libuv,
+                          timeout=TIMEOUT)
     expect_wake = use_libuv or op != "compare_set"
     for n, (writer, waiter) in enumerate(((ours, theirs), (theirs, ours), (other, theirs))):
         key = f"wake/{op}/{n}"
-        thread, out = _in_thread(lambda: waiter.wait([key], timedelta(seconds=10)))  # type: ignore[attr-defined]
+        thread, out = _in_thread(lambda waiter=waiter, key=key: waiter.wait([key], timedelta(seconds=10)))
         time.sleep(0.2)
         assert thread.is_alive(), out
         t_set = time.monotonic()

@@ -28,7 +28,8 @@ from inprocess.engine import pg_tracker
 PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))
 OUT = os.environ["INPROCESS_TEST_OUT"]
 INITIAL_RANK = int(os.environ["RANK"])
-logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"), format=f"%(relativeCreated)d r{INITIAL_RANK} %(threadName)s %(message)s")
+logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"),
+                    format=f"%(relativeCreated)d r{INITIAL_RANK} %(threadName)s %(message)s")
 if os.environ.get("INPROCESS_TEST_DUMP_AFTER"):
     faulthandler.dump_traceback_later(float(os.environ["INPROCESS_TEST_DUMP_AFTER"]), exit=False)
 
@@ -37,7 +38,7 @@ def td(seconds):
     return datetime.timedelta(seconds=seconds)
 
 
-def inject(kind):
+def inject(kind):  # noqa: C901 - one branch per fault kind, read as a table
     log["injected"] = log.get("injected", 0) + 1
     log["fault_ns"] = time.monotonic_ns()
     if kind == "exception":
@@ -75,7 +76,10 @@ def inject(kind):
         sig = 9 if kind == "kill_monitor" else 19
         for pid in os.listdir("/proc"):
             try:
-                if not pid.isdigit() or int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                if not pid.isdigit():
+                    continue
+                parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                if parent != os.getpid():
                     continue
                 if b"inprocess.processes.monitor" in open(f"/proc/{pid}/cmdline", "rb").read():
                     os.kill(int(pid), sig)
@@ -123,7 +127,8 @@ def make_hooks(spec):
                 # The rank ends in os._exit(76): what the test reads is written now.
                 with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:
                     json.dump(log, f)
-                raise inprocess.gpu.CudaContextLost(f"injected lost context in {name}", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+                raise inprocess.gpu.CudaContextLost(f"injected lost context in {name}", 700,
+                                                    "CUDA_ERROR_ILLEGAL_ADDRESS")
             raise SystemExit(7)
         if name == "abort":
             inprocess.abort.AbortTorchDistributed()(state)

@@ -357,7 +357,7 @@ class TCPStoreClient:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         parts = [bytes((_MULTI_SET,)), _U64.pack(len(keys))]
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             parts.append(_string(_key(key)))
             parts.append(_string(_value(value)))
         self._run("multi_set", keys, self._timeout, self._send, b"".join(parts))
@@ -518,7 +518,8 @@ class TCPStoreClient:
             except OSError as e:
                 self._fail(op, key, str(e))
                 if self._closed_because == "it was closed":
-                    raise StoreConnectionError(f"{_describe(op, key)}: the connection to {self.address} was closed") from e
+                    raise StoreConnectionError(
+                        f"{_describe(op, key)}: the connection to {self.address} was closed") from e
                 raise StoreConnectionError(
                     f"{_describe(op, key)}: the connection to the store at {self.address} failed: {e}"
                 ) from e
