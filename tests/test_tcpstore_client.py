@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import builtins
 import os
+import pathlib
+import shutil
 import signal
 import socket
 import statistics
@@ -115,17 +117,24 @@ def test_module_imports_and_works_without_torch(server: dist.TCPStore) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_module_file_stands_alone_without_torch() -> None:
-    import inprocess.control.tcpstore_client as module
+def test_the_client_and_its_wire_module_stand_alone_without_torch(tmp_path) -> None:
+    # The two files, copied into a package of their own, work without torch and without inprocess.
+    import inprocess.control.tcpstore_client as client
+    import inprocess.control.tcpstore_wire as wire
 
+    package = tmp_path / "storeclient"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for module in (client, wire):
+        shutil.copy(module.__file__, package / pathlib.Path(module.__file__).name)
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('tcpstore_client', sys.argv[1])\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "assert issubclass(m.StoreTimeoutError, TimeoutError)\n"
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from storeclient.tcpstore_client import StoreTimeoutError, TCPStoreClient\n"
+        "assert issubclass(StoreTimeoutError, TimeoutError)\n"
         "assert 'torch' not in sys.modules and 'inprocess' not in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, module.__file__], capture_output=True, text=True, timeout=50)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
 
 

@@ -7,44 +7,7 @@ a plain socket and offers the Store methods the restart engine uses (see
 :mod:`inprocess.control.protocol`). Values written by torch's client are read by this
 one and the other way round: both address the same keys.
 
-The wire protocol (torch 2.13; identical for both server backends, libuv and
-the legacy one; checked against the installed server by
-``tests/test_tcpstore_client.py``):
-
-* Integers are in the host's byte order, which on every platform torch ships
-  for is little-endian: sizes and counts are u64, ``add`` operands and
-  results i64, the handshake magic and ping nonce u32.
-* A string or a byte vector is its u64 length followed by its bytes.
-* A request is a one-byte query type followed by its arguments. The client
-  prefixes every key with ``/`` (torch's ``TCPStore`` does, so ``"k"`` is
-  ``"/k"`` on the wire).
-* The connection opens with VALIDATE + the magic ``0x3C85F7CE``, then PING +
-  a nonce that the server echoes. A server ignores (libuv) or drops (legacy)
-  a connection whose first request is not a valid VALIDATE.
-* Replies: GET / COMPARE_SET a vector; ADD, GETNUMKEYS, DELETE_KEY an i64
-  (DELETE_KEY: the number of keys removed); CHECK one byte, 0 = ready,
-  1 = not ready; MULTI_GET one vector per key. SET, APPEND and MULTI_SET get
-  no reply.
-* WAIT (u64 count, keys) answers one byte 0 (STOP_WAITING) once every key
-  exists, immediately if they do. To give up, the client sends CANCEL_WAIT,
-  answered by one byte 1 (WAIT_CANCELED); a STOP_WAITING sent before the
-  cancel arrived comes first.
-* COMPARE_SET(key, expected, desired): on a missing key, an empty
-  ``expected`` creates the key with ``desired`` and returns ``desired``; a
-  non-empty ``expected`` creates nothing and returns ``expected``. On an
-  existing key, the value is replaced when it equals ``expected``; the reply
-  is the value the key holds afterwards.
-  torch 2.13's libuv server wakes the waiters of the key when compare_set
-  creates it; its legacy server does not (only set, add, append and
-  multi_set wake waiters there), whichever client sends the compare_set.
-* ADD parses the stored value as a decimal integer (a missing key counts 0),
-  stores the sum as decimal text and returns it.
-* There are no error replies: a request the server cannot serve (``add`` on
-  a value that is not an integer, an unknown query type, and on the libuv
-  server a key over 8 KiB, a value over 8 MiB or more than 131,072 keys in
-  one request) makes it drop the connection. This client checks the limits
-  before sending (they are the default server's) and reports a dropped
-  connection as :class:`StoreConnectionError`.
+The wire protocol is described in :mod:`inprocess.control.tcpstore_wire`.
 
 Deadlines (design principle 7): every blocking socket call is bounded. The
 socket blocks with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` set to ``timeout`` (one
@@ -85,7 +48,43 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
+
+from .tcpstore_wire import (
+    ADD,
+    APPEND,
+    CANCEL_WAIT,
+    CHECK,
+    CHECK_NOT_READY,
+    CHECK_READY,
+    COMPARE_SET,
+    DELETE_KEY,
+    GET,
+    GETNUMKEYS,
+    I64,
+    I64_MAX,
+    I64_MIN,
+    KEY_PREFIX,
+    MAX_KEY_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    MAX_VALUE_BYTES,
+    MULTI_GET,
+    MULTI_SET,
+    PING,
+    SET,
+    STOP_WAITING,
+    U32,
+    U64,
+    VALIDATE,
+    VALIDATION_MAGIC,
+    WAIT,
+    WAIT_CANCELED,
+    Value,
+    encode_key,
+    encode_key_list,
+    encode_string,
+    encode_value,
+)
 
 __all__ = [
     "KEY_PREFIX",
@@ -99,45 +98,10 @@ __all__ = [
     "TCPStoreClient",
 ]
 
-# Query types of torch's TCPStore server (c10d::detail::QueryType).
-_VALIDATE = 0
-_SET = 1
-_COMPARE_SET = 2
-_GET = 3
-_ADD = 4
-_CHECK = 5
-_WAIT = 6
-_GETNUMKEYS = 7
-_DELETE_KEY = 8
-_APPEND = 9
-_MULTI_GET = 10
-_MULTI_SET = 11
-_CANCEL_WAIT = 12
-_PING = 13
-
-_VALIDATION_MAGIC = 0x3C85F7CE
-_CHECK_READY = 0
-_CHECK_NOT_READY = 1
-_STOP_WAITING = 0
-_WAIT_CANCELED = 1
-
-#: torch's TCPStore client prefixes every key with this.
-KEY_PREFIX = "/"
-#: Limits of the libuv server (torch's default), checked before sending.
-MAX_KEY_BYTES = 8 * 1024  # on the wire, KEY_PREFIX included
-MAX_VALUE_BYTES = 8 * 1024 * 1024
-MAX_KEYS_PER_REQUEST = 128 * 1024
-
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-
 _RECV_CHUNK = 64 * 1024
 _POLL_MAX_MS = 2**31 - 1
 _RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EAGAIN, errno.EINTR}
 
-Value = Union[str, bytes, bytearray, memoryview]
 Timeout = Union[datetime.timedelta, float, int]
 
 
@@ -167,40 +131,6 @@ def _seconds(value: Optional[Timeout], name: str) -> float:
     if seconds < 0 or seconds != seconds:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return seconds
-
-
-def _key(key: str) -> bytes:
-    if not isinstance(key, str):
-        raise TypeError(f"a store key is a str, got {type(key).__name__}")
-    raw = (KEY_PREFIX + key).encode()
-    if len(raw) > MAX_KEY_BYTES:
-        raise ValueError(f"store key of {len(raw)} bytes (with prefix): the server takes at most {MAX_KEY_BYTES}")
-    return raw
-
-
-def _value(value: Value) -> bytes:
-    if isinstance(value, str):
-        raw = value.encode()
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        raw = bytes(value)
-    else:
-        raise TypeError(f"a store value is str or bytes, got {type(value).__name__}")
-    if len(raw) > MAX_VALUE_BYTES:
-        raise ValueError(f"store value of {len(raw)} bytes: the server takes at most {MAX_VALUE_BYTES}")
-    return raw
-
-
-def _string(raw: bytes) -> bytes:
-    return _U64.pack(len(raw)) + raw
-
-
-def _key_list(keys: Iterable[str], what: str) -> tuple[list[str], bytes]:
-    if isinstance(keys, str):
-        raise TypeError(f"{what} takes a list of keys, got the str {keys!r}")
-    keys = list(keys)
-    if len(keys) > MAX_KEYS_PER_REQUEST:
-        raise ValueError(f"{what} of {len(keys)} keys: the server takes at most {MAX_KEYS_PER_REQUEST}")
-    return keys, _U64.pack(len(keys)) + b"".join(_string(_key(k)) for k in keys)
 
 
 class _WaitTimedOut(Exception):
@@ -267,13 +197,13 @@ class TCPStoreClient:
         return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout)
 
     def set(self, key: str, value: Value) -> None:
-        request = bytes((_SET,)) + _string(_key(key)) + _string(_value(value))
+        request = bytes((SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
         self._run("set", key, self._timeout, self._send, request)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it to exist up to the store timeout (like torch)."""
         wait = self._wait_request([key])
-        request = bytes((_GET,)) + _string(_key(key))
+        request = bytes((GET,)) + encode_string(encode_key(key))
 
         def body(deadline: float) -> bytes:
             self._wait_exchange(wait, deadline, "get", key)
@@ -286,32 +216,33 @@ class TCPStoreClient:
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer stored at ``key`` (0 when missing); returns the sum."""
         given: object = amount  # checked at run time: callers are not all type-checked
-        if not isinstance(given, int) or isinstance(given, bool) or not _I64_MIN <= given <= _I64_MAX:
+        if not isinstance(given, int) or isinstance(given, bool) or not I64_MIN <= given <= I64_MAX:
             raise ValueError(f"add() takes a 64-bit signed integer, got {amount!r}")
-        request = bytes((_ADD,)) + _string(_key(key)) + _I64.pack(amount)
+        request = bytes((ADD,)) + encode_string(encode_key(key)) + I64.pack(amount)
         return self._run("add", key, self._timeout, self._request_i64, request)
 
     def append(self, key: str, value: Value) -> None:
         """Append ``value`` to the value of ``key`` (creating it when missing)."""
-        request = bytes((_APPEND,)) + _string(_key(key)) + _string(_value(value))
+        request = bytes((APPEND,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
         self._run("append", key, self._timeout, self._send, request)
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
-        """Set ``key`` to ``desired`` if it holds ``expected`` (see the module docstring for a missing key)."""
-        request = bytes((_COMPARE_SET,)) + _string(_key(key)) + _string(_value(expected)) + _string(_value(desired))
+        """Set ``key`` to ``desired`` if it holds ``expected`` (see :mod:`.tcpstore_wire` for a missing key)."""
+        request = (bytes((COMPARE_SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(expected))
+                   + encode_string(encode_value(desired)))
         return self._run("compare_set", key, self._timeout, self._request_vector, request)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists, without waiting."""
-        _, packed = _key_list(keys, "check")
-        request = bytes((_CHECK,)) + packed
+        _, packed = encode_key_list(keys, "check")
+        request = bytes((CHECK,)) + packed
 
         def body(deadline: float) -> bool:
             self._send(request, deadline)
             answer = self._recv_exact(1, deadline)[0]
-            if answer == _CHECK_READY:
+            if answer == CHECK_READY:
                 return True
-            if answer == _CHECK_NOT_READY:
+            if answer == CHECK_NOT_READY:
                 return False
             raise StoreProtocolError(f"check: unexpected answer {answer} from {self.address}")
 
@@ -324,24 +255,24 @@ class TCPStoreClient:
         when the keys are set: nothing is polled over the network.
         """
         seconds = self._timeout if timeout is None else _seconds(timeout, "timeout")
-        keys, packed = _key_list(keys, "wait")
-        request = bytes((_WAIT,)) + packed
+        keys, packed = encode_key_list(keys, "wait")
+        request = bytes((WAIT,)) + packed
         self._run("wait", keys, seconds, lambda deadline: self._wait_exchange(request, deadline, "wait", keys))
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
-        request = bytes((_DELETE_KEY,)) + _string(_key(key))
+        request = bytes((DELETE_KEY,)) + encode_string(encode_key(key))
         return self._run("delete_key", key, self._timeout, self._request_i64, request) == 1
 
     def num_keys(self) -> int:
         """The number of keys on the server (all of them, whoever wrote them)."""
-        return self._run("num_keys", None, self._timeout, self._request_i64, bytes((_GETNUMKEYS,)))
+        return self._run("num_keys", None, self._timeout, self._request_i64, bytes((GETNUMKEYS,)))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting for all of them up to the store timeout (like torch)."""
-        keys, packed = _key_list(keys, "multi_get")
-        wait = bytes((_WAIT,)) + packed
-        request = bytes((_MULTI_GET,)) + packed
+        keys, packed = encode_key_list(keys, "multi_get")
+        wait = bytes((WAIT,)) + packed
+        request = bytes((MULTI_GET,)) + packed
 
         def body(deadline: float) -> list[bytes]:
             self._wait_exchange(wait, deadline, "multi_get", keys)
@@ -352,14 +283,14 @@ class TCPStoreClient:
         return self._run("multi_get", keys, self._timeout, body)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        keys, _ = _key_list(keys, "multi_set")
+        keys, _ = encode_key_list(keys, "multi_set")
         values = list(values)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        parts = [bytes((_MULTI_SET,)), _U64.pack(len(keys))]
+        parts = [bytes((MULTI_SET,)), U64.pack(len(keys))]
         for key, value in zip(keys, values, strict=True):
-            parts.append(_string(_key(key)))
-            parts.append(_string(_value(value)))
+            parts.append(encode_string(encode_key(key)))
+            parts.append(encode_string(encode_value(value)))
         self._run("multi_set", keys, self._timeout, self._send, b"".join(parts))
 
     def ping(self) -> float:
@@ -368,8 +299,8 @@ class TCPStoreClient:
 
         def body(deadline: float) -> float:
             start = time.monotonic()
-            self._send(bytes((_PING,)) + _U32.pack(nonce), deadline)
-            echoed = _U32.unpack(self._recv_exact(4, deadline))[0]
+            self._send(bytes((PING,)) + U32.pack(nonce), deadline)
+            echoed = U32.unpack(self._recv_exact(4, deadline))[0]
             if echoed != nonce:
                 raise StoreProtocolError(f"ping: {self.address} echoed {echoed:#x} for nonce {nonce:#x}")
             return time.monotonic() - start
@@ -444,7 +375,7 @@ class TCPStoreClient:
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         nonce = (os.getpid() ^ int.from_bytes(os.urandom(4), "little")) & 0xFFFFFFFF
-        hello = bytes((_VALIDATE,)) + _U32.pack(_VALIDATION_MAGIC) + bytes((_PING,)) + _U32.pack(nonce)
+        hello = bytes((VALIDATE,)) + U32.pack(VALIDATION_MAGIC) + bytes((PING,)) + U32.pack(nonce)
         reply = b""
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -460,7 +391,7 @@ class TCPStoreClient:
                 f"the store server at {self.address} did not complete the handshake within "
                 f"{self._connect_timeout:g}s: {e} (is a torch TCPStore server listening there?)"
             ) from e
-        echoed = _U32.unpack(reply)[0]
+        echoed = U32.unpack(reply)[0]
         if echoed != nonce:
             raise StoreProtocolError(
                 f"{self.address} answered the handshake with {echoed:#x} instead of {nonce:#x}: "
@@ -582,7 +513,7 @@ class TCPStoreClient:
         )
 
     def _recv_vector(self, deadline: float) -> bytes:
-        size = _U64.unpack(self._recv_exact(8, deadline))[0]
+        size = U64.unpack(self._recv_exact(8, deadline))[0]
         if size > MAX_VALUE_BYTES * 64:
             raise StoreProtocolError(f"a reply of {size} bytes from {self.address}: not a torch TCPStore server?")
         return self._recv_exact(size, deadline) if size else b""
@@ -593,31 +524,31 @@ class TCPStoreClient:
 
     def _request_i64(self, request: bytes, deadline: float) -> int:
         self._send(request, deadline)
-        return _I64.unpack(self._recv_exact(8, deadline))[0]
+        return I64.unpack(self._recv_exact(8, deadline))[0]
 
     @staticmethod
     def _wait_request(keys: Sequence[str]) -> bytes:
-        _, packed = _key_list(keys, "wait")
-        return bytes((_WAIT,)) + packed
+        _, packed = encode_key_list(keys, "wait")
+        return bytes((WAIT,)) + packed
 
     def _wait_exchange(self, request: bytes, deadline: float, op: str, key: object) -> None:
         """Send WAIT and read STOP_WAITING; past the deadline, cancel and raise _WaitTimedOut."""
         timeout = max(deadline - time.monotonic(), 0.0)
         self._send(request, time.monotonic() + self._timeout)
         answer = self._recv_wait_answer(deadline)
-        if answer == _STOP_WAITING:
+        if answer == STOP_WAITING:
             return
         if answer is not None:
             raise StoreProtocolError(f"{_describe(op, key)}: unexpected wait answer {answer} from {self.address}")
         # Timed out: cancel on the server. A STOP_WAITING sent before the
         # server saw the cancel arrives first; the keys exist then.
         cancel_deadline = time.monotonic() + self._timeout
-        self._send(bytes((_CANCEL_WAIT,)), cancel_deadline)
+        self._send(bytes((CANCEL_WAIT,)), cancel_deadline)
         answer = self._recv_exact(1, cancel_deadline)[0]
-        woke = answer == _STOP_WAITING
+        woke = answer == STOP_WAITING
         if woke:
             answer = self._recv_exact(1, cancel_deadline)[0]
-        if answer != _WAIT_CANCELED:
+        if answer != WAIT_CANCELED:
             raise StoreProtocolError(f"{_describe(op, key)}: expected WAIT_CANCELED from {self.address}, got {answer}")
         if not woke:
             raise _WaitTimedOut(
