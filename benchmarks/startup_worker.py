@@ -40,7 +40,7 @@ if library != "bare":
         short = datetime.timedelta(seconds=0.1)  # every interval must be shorter than soft_timeout
         kwargs = dict(initialize=inprocess.initialize.RetryController(max_iterations=1),
                       soft_timeout=datetime.timedelta(seconds=1), hard_timeout=datetime.timedelta(seconds=5),
-                      barrier_timeout=datetime.timedelta(seconds=30), progress_watchdog_interval=short,
+                      barrier_timeout=datetime.timedelta(seconds=40), progress_watchdog_interval=short,
                       monitor_thread_interval=short, monitor_process_interval=short)
 
     def wrapped(call_wrapper: inprocess.CallWrapper = None):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import socket
+import time
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -117,6 +119,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
             self.host_process = fork_helper(config, store_host.serve, ready_timeout_s=timeout.total_seconds(),
                                             name="inprocess-store")
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
+        if not self.is_host:
+            # torch's client backs off for about half a second when the server is not listening
+            # yet; ranks that start before the store host would all pay it before the first barrier.
+            _await_listener(host_name, port, timeout.total_seconds())
         try:
             super().__init__(
                 host_name,
@@ -137,6 +143,28 @@ class TCPStore(dist.TCPStore, StoreMixin):
     def critical_ranks(self) -> tuple[int, ...]:
         # A store host process outlives the rank that started it: no rank is critical then.
         return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
+
+
+def _await_listener(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Return once ``host:port`` accepts a connection, or at the deadline, or on any error
+    but a refused connection (torch's client then reports it in its own words)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    family, kind, proto, _, address = addresses[0]
+    while time.monotonic() < deadline:
+        with socket.socket(family, kind, proto) as probe:
+            probe.settimeout(max(min(1.0, deadline - time.monotonic()), 0.001))
+            try:
+                probe.connect(address)
+                return
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                return
+        time.sleep(poll_s)
 
 
 def _int_in(low: int, high: Optional[int] = None) -> Any:
