@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -134,3 +135,39 @@ def test_a_failing_rank_assignment_raises_its_own_exception_on_one_rank(tmp_path
     seen = run(tmp_path, "assignment.py", 1, MIGRATION_FAULT="0:3:raise", MIGRATION_MAX_ACTIVE="1",
                MIGRATION_RA_RAISES="1")
     assert seen[0]["outcome"] == {"raised": "ValueError", "message": "rank assignment failed at the restart"}
+
+
+NVRX_PYTHON = os.environ.get("INPROCESS_NVRX_PYTHON")
+SHIM = PROGRAMS / "nvrx_shim"
+
+
+def records(tmp_path: pathlib.Path, python: Optional[str], program: str, world_size: int, exits: dict[int, int],
+            **env: str) -> dict[int, dict[str, Any]]:
+    out = tmp_path / ("nvrx" if python else "ours")
+    out.mkdir()
+    job_env = {"MIGRATION_OUT": str(out), **env}
+    if python:
+        job_env["PYTHONPATH"] = str(SHIM)
+    with LocalJob([str(PROGRAMS / program)], world_size, env=job_env, python=python) as job:
+        ranks = job.wait(200)
+    codes = {r: rp.returncode for r, rp in enumerate(ranks)}
+    assert codes == {r: exits.get(r, 0) for r in range(world_size)}, job.outputs()[-6000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size) if r not in exits}
+
+
+@pytest.mark.skipif(NVRX_PYTHON is None, reason="set INPROCESS_NVRX_PYTHON to a Python with nvidia_resiliency_ext "
+                                                 "to run the programs under it and compare the records")
+@pytest.mark.parametrize(("program", "world_size", "exits", "env"), [
+    ("optimal.py", 1, {}, {"MIGRATION_FAULT": "0:6"}),
+    ("hooks.py", 4, {}, {"MIGRATION_FAULT": "3:3"}),
+    ("hooks.py", 4, {}, {"MIGRATION_FAULT": "3:3", "MIGRATION_FINALIZE_FAILS": "3"}),
+    ("assignment.py", 1, {}, {"MIGRATION_FAULT": "0:3:raise", "MIGRATION_MAX_ACTIVE": "1"}),
+    ("assignment.py", 4, {1: 3}, {"MIGRATION_FAULT": "1:3:exit", "MIGRATION_MAX_ACTIVE": "3"}),
+    ("assignment.py", 1, {}, {"MIGRATION_FAULT": "0:3:raise", "MIGRATION_MAX_ACTIVE": "1", "MIGRATION_RA_RAISES": "1"}),
+])
+def test_the_same_program_gives_the_same_records_under_nvidia_resiliency_ext(tmp_path, program, world_size, exits,
+                                                                               env):
+    # basic.py is not compared: its CudaHealthCheck needs CUDA under nvidia_resiliency_ext.
+    ours = records(tmp_path, None, program, world_size, exits, **env)
+    theirs = records(tmp_path, NVRX_PYTHON, program, world_size, exits, **env)
+    assert ours == theirs

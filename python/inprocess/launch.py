@@ -50,6 +50,7 @@ class LocalJob:
         port: Optional[int] = None,
         capture: bool = True,
         ranks_per_node: Optional[int] = None,
+        python: Optional[str] = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: expected >= 1")
@@ -63,6 +64,7 @@ class LocalJob:
         self.port = port or free_port()
         self.env = dict(env or {})
         self.capture = capture
+        self.python = python or sys.executable  # the interpreter every rank runs
         self.ranks: list[RankProcess] = []
 
     def __enter__(self) -> "LocalJob":
@@ -82,7 +84,7 @@ class LocalJob:
                 )
                 out = subprocess.PIPE if self.capture else None
                 popen = subprocess.Popen(
-                    [sys.executable, *self.argv],
+                    [self.python, *self.argv],
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT if self.capture else None,
