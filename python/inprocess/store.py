@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .control.host_names import numeric_host_names
 from .engine import sockets
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig
@@ -95,6 +96,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
         host_process: bool = True,
         host_idle_timeout_s: float = 60.0,
     ):
+        numeric_host_names()  # before the first connection: no reverse DNS lookup in torch (control/host_names.py)
         if host_name is None:
             host_name = os.environ.get("MASTER_ADDR")
             if host_name is None:

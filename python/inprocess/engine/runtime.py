@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import _native
 from .. import store as store_mod
+from ..control.host_names import numeric_host_names
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
 from ..events import EventLog
@@ -178,6 +179,7 @@ class RankRuntime:
         if self._w.store_factory is store_mod.TCPStore:
             # An orphaned store host waits one heartbeat_timeout of silence before it decides the job is gone.
             store_kwargs.setdefault("host_idle_timeout_s", self._w.timeouts.store_host_idle_s)
+        numeric_host_names()  # whatever the factory builds, torch's connections make no reverse DNS lookup
         store = self._w.store_factory(**store_kwargs)
         if store_mod.host_process(store) is not None:
             # The store host exits when this call is done: tell it which call that is.
