@@ -110,6 +110,8 @@ class TCPStore(dist.TCPStore, StoreMixin):
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
         self.host_process: Optional[HelperProcess] = None
+        # On every rank: the server runs in a store host, which exits once the call is done.
+        self.served_by_store_host = bool(host_process) and not agent_hosts
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
