@@ -14,6 +14,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("__version__") = INPROCESS_VERSION;
   b::register_clock(m);
   b::register_heartbeat(m);
+  b::register_host_names(m);
   b::register_killer(m);
   b::register_node_board(m);
   b::register_watchdog(m);

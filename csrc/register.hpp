@@ -16,6 +16,7 @@ namespace inprocess::bindings {
 
 void register_clock(pybind11::module_& m);
 void register_heartbeat(pybind11::module_& m);
+void register_host_names(pybind11::module_& m);  // getnameinfo without a resolver
 void register_killer(pybind11::module_& m);
 void register_node_board(pybind11::module_& m);
 void register_watchdog(pybind11::module_& m);

@@ -1,11 +1,13 @@
 """Native core of inprocess: shared-memory heartbeats and GIL-free monitoring."""
 
 import enum
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 __version__: str
 
 def monotonic_ns() -> int: ...
+def force_numeric_host_names(prefixes: Sequence[str]) -> List[str]: ...
+def restore_host_names() -> int: ...
 
 class Phase(enum.Enum):
     STARTING = 0

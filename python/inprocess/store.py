@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .control.host_names import numeric_host_names
 from .engine import sockets
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig
@@ -97,6 +98,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
         host_process: bool = True,
         host_idle_timeout_s: float = 60.0,
     ):
+        numeric_host_names()  # before the first connection: no reverse DNS lookup in torch (control/host_names.py)
         if host_name is None:
             host_name = os.environ.get("MASTER_ADDR")
             if host_name is None:
@@ -110,6 +112,8 @@ class TCPStore(dist.TCPStore, StoreMixin):
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
         self.host_process: Optional[HelperProcess] = None
+        # On every rank: the server runs in a store host, which exits once the call is done.
+        self.served_by_store_host = bool(host_process) and not agent_hosts
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,

@@ -192,6 +192,19 @@ if ra is not None:
 LAST_CALL = {}
 log = {"initial_rank": INITIAL_RANK, "iterations": [], "fds": [], "threads": []}
 
+if PLAN.get("time_clones"):
+    # Every new store connection the engine opens goes through inprocess.store.clone: time each one.
+    _clone = inprocess.store.clone
+
+    def _timed_clone(*args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return _clone(*args, **kwargs)
+        finally:
+            log.setdefault("clone_s", []).append(time.monotonic() - t0)
+
+    inprocess.store.clone = _timed_clone
+
 
 def count_fds():
     """This process's descriptors, less the store server's side of other

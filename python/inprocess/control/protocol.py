@@ -19,6 +19,7 @@ Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
 ``<i>/terminated``     "r," per terminated initial rank (append)
 ``<i>/decision``       the membership of iteration i (JSON, written once)
 ``<i>/left``           counter of ranks that left after completion
+``<i>/given_up``       counter of arrivals that stopped waiting for barrier i
 ``seat/<r>``           the last barrier initial rank r was counted at: "b"
                        (counted itself, healthy) or "tb:<who>" (counted out at
                        b, for good, by <who>); moved by compare_set only
@@ -68,7 +69,7 @@ import json
 import logging
 from typing import Any, Callable, Iterable, Optional
 
-from ..exception import InternalError
+from ..exception import InternalError, TimeoutError
 from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
@@ -122,10 +123,15 @@ class RestartProtocol:
     everything goes to the store directly.
     """
 
-    def __init__(self, store: Any, call: int = 0, link: Optional[NodeBoardLink] = None):
+    def __init__(
+        self, store: Any, call: int = 0, link: Optional[NodeBoardLink] = None, *,
+        initial_world_size: Optional[int] = None,
+    ):
         self.counted = CountingStore(store)
         self.prefix = f"inprocess/{call}/"
         self.link = link
+        # Where the seats are, to name the ranks a barrier misses (unknown: not named).
+        self.initial_world_size = initial_world_size
 
     @property
     def store(self) -> Any:
@@ -381,6 +387,41 @@ class RestartProtocol:
         the caller moved the seat already (a monitor counting its rank out, a
         rank whose node agent went away after its seat).
         """
+        if terminated:
+            return self._barrier(iteration, initial_rank, expected, terminated=True, decide=decide, timeout=timeout,
+                                 seat_taken=seat_taken)
+        try:
+            return self._barrier(iteration, initial_rank, expected, decide=decide, timeout=timeout,
+                                 seat_taken=seat_taken)
+        except TimeoutError as e:
+            described = self.describe_arrivals(iteration, expected)
+            self.give_up(iteration)
+            raise TimeoutError(f"{described} ({e})") from None
+
+    def give_up(self, iteration: int) -> None:
+        """This healthy arrival stops waiting for barrier ``iteration`` (it timed out):
+        the call is over for it. The last of the arrivals to give up ends the call's
+        keys and sets ``done``, so the store host exits at once instead of waiting
+        out its idle timeout, and a host rank waiting for it is not held."""
+        try:
+            given_up = self.counted.add(self.key(iteration, "given_up"), 1)
+            healthy = self.counted.add(self.key(iteration, "arrivals"), 0) & COUNT_MASK
+            if given_up >= healthy:
+                self.finish_job(iteration)
+        except Exception as e:  # the store is gone: nothing left to end
+            log.debug("barrier %d: could not give up: %s", iteration, e)
+
+    def _barrier(
+        self,
+        iteration: int,
+        initial_rank: int,
+        expected: int,
+        *,
+        terminated: bool = False,
+        decide: Optional[DecideFn] = None,
+        timeout: float,
+        seat_taken: bool = False,
+    ) -> Optional[Decision]:
         link = self.link
         if link is not None and not terminated and not seat_taken and link.alive():
             self.post_arrival(iteration, initial_rank, expected)
@@ -396,6 +437,35 @@ class RestartProtocol:
         if healthy != 1:
             return self.wait_decision(iteration, timeout)
         return self._lead(iteration, initial_rank, dead=dead if complete else None, decide=decide, timeout=timeout)
+
+    def describe_arrivals(self, iteration: int, expected: int, *, limit: int = 8) -> str:
+        """"barrier i: 3 of 4 ranks arrived; missing initial rank 3": who a barrier
+        still waits for. Reads the seats (one request each) only until ``limit``
+        missing ranks are named: for the error of a barrier that timed out."""
+        try:
+            value = self.counted.add(self.key(iteration, "arrivals"), 0)
+        except Exception as e:  # the store is gone: say so instead
+            return f"barrier {iteration}: the arrivals cannot be read ({type(e).__name__}: {e})"
+        arrived = (value & COUNT_MASK) + (value >> 32)
+        text = f"barrier {iteration}: {arrived} of {expected} ranks arrived"
+        if arrived >= expected or self.initial_world_size is None:
+            return text
+        # A member not arrived yet holds the seat of the barrier before (none before barrier 0).
+        waiting_seat = None if iteration == 0 else str(iteration - 1)
+        missing: list[int] = []
+        try:
+            for rank in range(self.initial_world_size):
+                if len(missing) == min(limit, expected - arrived):
+                    break
+                if self.read_seat(rank) == waiting_seat:
+                    missing.append(rank)
+        except Exception:
+            pass  # name the ones found so far
+        if missing:
+            more = expected - arrived - len(missing)
+            text += f"; missing initial rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            text += f" and {more} more" if more > 0 else ""
+        return text
 
     def _lead(
         self, iteration: int, initial_rank: int, *, dead: Optional[int], decide: Optional[DecideFn], timeout: float
@@ -511,7 +581,8 @@ class RestartProtocol:
 
     # -- cleanup --------------------------------------------------------------
 
-    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left")
+    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left",
+                       "given_up")
 
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:

@@ -24,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
 from .. import _native
 from .. import store as store_mod
+from ..control.host_names import numeric_host_names
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
 from ..events import EventLog
@@ -78,6 +81,7 @@ class RankRuntime:
         self._user_client: Optional[dist.Store] = None
         self._user_sockets: dict[int, str] = {}
         self._node_agent: Optional[HelperProcess] = None
+        self._store_sockets: dict[int, str] = {}
 
     @classmethod
     def open(
@@ -138,9 +142,11 @@ class RankRuntime:
         self.node_link = self._open_node_link()
         stack.callback(self._close_node_link)
 
-        self.protocol = RestartProtocol(self.store, self.call_index, self.node_link)
+        world = self._state.initial_world_size
+        self.protocol = RestartProtocol(self.store, self.call_index, self.node_link, initial_world_size=world)
         trigger_protocol = RestartProtocol(
-            store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link
+            store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link,
+            initial_world_size=world,
         )
         self.trigger = RestartTrigger(
             trigger_protocol,
@@ -178,7 +184,10 @@ class RankRuntime:
         if self._w.store_factory is store_mod.TCPStore:
             # An orphaned store host waits one heartbeat_timeout of silence before it decides the job is gone.
             store_kwargs.setdefault("host_idle_timeout_s", self._w.timeouts.store_host_idle_s)
+        numeric_host_names()  # whatever the factory builds, torch's connections make no reverse DNS lookup
+        before = sockets.socket_fds()
         store = self._w.store_factory(**store_kwargs)
+        self._store_sockets = sockets.new_since(before)  # this connection shows when its server is gone
         if store_mod.host_process(store) is not None:
             # The store host exits when this call is done: tell it which call that is.
             store.set(store_host.CALL_KEY, str(self.call_index))
@@ -331,6 +340,8 @@ class RankRuntime:
             if not host.wait_exit(completion_timeout):
                 log.warning("store host (pid %d): the other ranks did not all leave within "
                             "completion_timeout; it stays until they do", host.pid)
+        if host is None and not terminated and not store_mod.is_host(self.store):
+            self._wait_for_the_store_host(completion_timeout)
         if store_mod.is_host(self.store) and hasattr(self, "protocol"):
             # The server lives in this process: keep it until every rank left.
             # A terminated host waits for the rest of the job, however long.
@@ -338,3 +349,27 @@ class RankRuntime:
                 self.protocol.wait_done(None if terminated else completion_timeout)
             except Exception as e:
                 log.warning("store host: the other ranks did not all leave: %s", e)
+
+    def _wait_for_the_store_host(self, timeout: float) -> None:
+        """A store host serves one call and exits once the last rank left it. A rank
+        that entered the next call before it was gone would connect to it (rank 0's
+        next store host binds the same port only after it) and lose that connection
+        with it: so the call ends here only once the server has closed this rank's
+        connection. No request is in flight on it: readable means closed."""
+        if not getattr(self.store, "served_by_store_host", False):
+            return  # an agent's store, a server in the host rank, a store of another kind
+        deadline = time.monotonic() + timeout
+        poller = select.poll()
+        watched = 0
+        for fd, ident in self._store_sockets.items():
+            if sockets.identity(fd) == ident:
+                poller.register(fd, select.POLLIN | select.POLLRDHUP)
+                watched += 1
+        if watched == 0:
+            return  # its connection is not known: nothing to watch
+        remaining = timeout
+        while remaining > 0 and poller.poll(remaining * 1000) == []:
+            remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            log.warning("rank %d: the store host of call %d still serves %gs after the call ended",
+                        self._state.initial_rank, self.call_index, timeout)

@@ -38,6 +38,7 @@ import os
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
+from ..control.host_names import numeric_host_names
 from ..control.protocol import done_key, is_timeout, monitor_heartbeat_key
 from ..control.tcpstore_client import TCPStoreClient
 from .contract import EXIT_OK, StopRequest, StoreHostConfig, run_helper, tell_failed, tell_ready
@@ -89,6 +90,9 @@ def _parent_alive(pid: int) -> bool:
 def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     import torch.distributed as dist
 
+    # Forked from a rank it inherits this; exec'd it must do it itself: no client's
+    # connection may wait for a reverse DNS lookup on the server's only thread.
+    numeric_host_names()
     try:
         server = dist.TCPStore(
             "127.0.0.1", config.port, None, True, datetime.timedelta(seconds=60),

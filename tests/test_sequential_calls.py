@@ -1,0 +1,18 @@
+"""Wrapped calls in a row in one job: call N+1 never meets call N's store server going away."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def test_twenty_calls_in_a_row(job):
+    calls, world_size = 20, 4
+    res = job({"calls": calls}, world_size=world_size, worker="sequential_worker.py", timeout=200.0)
+    for rank in range(world_size):
+        log = res.rank(rank)
+        assert res.returncodes[rank] == 0, f"rank {rank}: {log.get('exception')}\n{res.describe()}"
+        # Every call ran its allreduce across all ranks: sum over r of (call + r).
+        expected = [float(world_size * c + sum(range(world_size))) for c in range(calls)]
+        assert [c["sum"] for c in log["calls"]] == expected
