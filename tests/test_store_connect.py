@@ -1,17 +1,24 @@
-"""A rank that starts before the store host listens connects as soon as it listens (torch's own
-client would back off for about half a second first)."""
+"""Reaching the store: a rank that starts before the store host listens connects as soon as it
+listens (torch's own client backs off for about half a second first), and a bad MASTER_ADDR or
+MASTER_PORT is a clear error naming it, in bounded time, with nothing left running."""
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
-from inprocess.store import _await_listener
+import inprocess
+from inprocess.store import _await_listener, _resolve
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:
@@ -34,7 +41,7 @@ def test_returns_within_a_few_polls_of_the_listener_appearing() -> None:
     t = threading.Thread(target=listen_later)
     t.start()
     try:
-        _await_listener("127.0.0.1", port, timeout_s=10)
+        _await_listener(_resolve("127.0.0.1", port), "127.0.0.1", port, timeout_s=10)
         returned = time.monotonic()
         t.join()
         assert listening_at, "returned before anything listened"
@@ -44,13 +51,55 @@ def test_returns_within_a_few_polls_of_the_listener_appearing() -> None:
         listener.close()
 
 
-def test_gives_up_at_its_deadline_when_nothing_listens() -> None:
-    start = time.monotonic()
-    _await_listener("127.0.0.1", _free_port(), timeout_s=0.3)
-    assert 0.25 < time.monotonic() - start < 2
+def _store(monkeypatch: pytest.MonkeyPatch, addr: str, port: int, rank: int, timeout_s: float) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    inprocess.store.TCPStore(host_name=addr, port=port, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def test_an_unresolvable_host_is_left_to_torch_at_once() -> None:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unresolvable_master_addr_is_named_at_once(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     start = time.monotonic()
-    _await_listener("no-such-host.invalid", 1234, timeout_s=10)
+    with pytest.raises(ValueError, match=r"'no-such-host\.invalid' \(MASTER_ADDR\) does not resolve"):
+        _store(monkeypatch, "no-such-host.invalid", _free_port(), rank, 30)
+    assert time.monotonic() - start < 10
+
+
+def test_nothing_listening_is_named_at_the_stores_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"nothing listens at 127\.0\.0\.1:{port} .* after 1s"):
+        _store(monkeypatch, "127.0.0.1", port, 1, 1)
     assert time.monotonic() - start < 5
+
+
+def test_a_listener_that_is_not_a_store_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accepts connections and never answers: the handshake probe gives up after its own bound.
+    monkeypatch.setattr(inprocess.store, "PROBE_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} is not a torch TCPStore server"):
+            _store(monkeypatch, "127.0.0.1", port, 1, 30)
+        assert time.monotonic() - start < 5
+
+
+def test_a_bad_master_addr_in_a_wrapped_call_leaves_nothing_running(tmp_path) -> None:
+    # Rank 0 would fork the store host: the address fails first, and no process is left.
+    code = textwrap.dedent("""
+        import os, psutil, inprocess
+        @inprocess.Wrapper()
+        def train():
+            return "ran"
+        try:
+            train()
+        except ValueError as e:
+            print("ERROR", e)
+        print("CHILDREN", len(psutil.Process().children(recursive=True)))
+    """)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid", MASTER_PORT=str(_free_port()))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=40)
+    assert "ERROR the store's address 'no-such-host.invalid' (MASTER_ADDR) does not resolve" in done.stdout, done
+    assert "CHILDREN 0" in done.stdout, done.stdout

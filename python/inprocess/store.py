@@ -27,10 +27,14 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .control.host_names import numeric_host_names
+from .control.tcpstore_client import StoreError, TCPStoreClient
 from .engine import sockets
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig
 from .processes.forked import fork_helper
+
+# How long a rank gives what listens at MASTER_ADDR:MASTER_PORT to answer a store's handshake.
+PROBE_S = 10.0
 
 
 class StoreMixin:
@@ -108,6 +112,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
         if world_size is None:
             world_size = _env_int("WORLD_SIZE")
         rank = _env_int("RANK")
+        address = _resolve(host_name, port)  # before anything starts: a bad MASTER_ADDR fails now, by name
         self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
@@ -124,9 +129,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
                                             name="inprocess-store")
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         if not self.is_host:
-            # torch's client backs off for about half a second when the server is not listening
-            # yet; ranks that start before the store host would all pay it before the first barrier.
-            _await_listener(host_name, port, timeout.total_seconds())
+            _reach_store(address, host_name, port, timeout.total_seconds())
         try:
             super().__init__(
                 host_name,
@@ -149,25 +152,46 @@ class TCPStore(dist.TCPStore, StoreMixin):
         return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
 
 
-def _await_listener(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
-    """Return once ``host:port`` accepts a connection, or at the deadline, or on any error
-    but a refused connection (torch's client then reports it in its own words)."""
-    deadline = time.monotonic() + timeout_s
+def _resolve(host: str, port: int) -> tuple[Any, ...]:
+    """The first address of ``host:port`` (family, type, proto, canonname, sockaddr); ValueError naming
+    the host when it does not resolve."""
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return
-    family, kind, proto, _, address = addresses[0]
-    while time.monotonic() < deadline:
+        return tuple(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0])
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"the store's address {host!r} (MASTER_ADDR) does not resolve: {e}; expected a host "
+                         f"name or an IP address of the node whose rank 0 hosts the store") from None
+
+
+def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: float) -> None:
+    """Return once a torch TCPStore server answers at ``host:port``; a clear error, within
+    ``timeout_s``, when nothing listens there or what listens is not a store."""
+    # torch's client backs off for about half a second when the server is not listening
+    # yet; ranks that start before the store host would all pay it before the first barrier.
+    _await_listener(address, host, port, timeout_s)
+    probe_s = min(timeout_s, PROBE_S)
+    try:
+        TCPStoreClient(host, port, timeout=probe_s, connect_timeout=probe_s).close()
+    except StoreError as e:
+        raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: {e}") from None
+
+
+def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+    family, kind, proto, _, sockaddr = address
+    deadline = time.monotonic() + timeout_s
+    while True:
         with socket.socket(family, kind, proto) as probe:
             probe.settimeout(max(min(1.0, deadline - time.monotonic()), 0.001))
             try:
-                probe.connect(address)
+                probe.connect(sockaddr)
                 return
             except ConnectionRefusedError:
                 pass
-            except OSError:
-                return
+            except OSError as e:
+                raise ConnectionError(f"the store at {host}:{port} (MASTER_ADDR:MASTER_PORT) cannot be "
+                                      f"reached: {e}") from None
+        if time.monotonic() + poll_s >= deadline:
+            raise TimeoutError(f"nothing listens at {host}:{port} (MASTER_ADDR:MASTER_PORT) after {timeout_s:g}s: "
+                               "expected the store of rank 0 (is it running, and is MASTER_PORT its port?)")
         time.sleep(poll_s)
 
 
