@@ -103,11 +103,11 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            left = _reap(marker)
+            left = reap_marked(marker)
     return TorchrunJob(out, returncode, log_path.read_text(), left)
 
 
-def _reap(marker: str, grace: float = 15.0) -> dict[int, str]:
+def reap_marked(marker: str, grace: float = 15.0) -> dict[int, str]:
     """What outlived torchrun (after ``grace``), then killed: every test leaves nothing running."""
     deadline = time.monotonic() + grace
     left = processes_with(marker)
