@@ -70,7 +70,6 @@ import time
 from typing import Any, Optional
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 WORLD_SIZE = 4
 FAULT_RANK = 2
@@ -274,7 +273,11 @@ def main() -> None:
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="split the 4 ranks into nodes of this many (2: two nodes, each with a node agent); "
                          "default: one node, no agent")
+    ap.add_argument("--smoke", action="store_true", help="one exception fault, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.faults = 1
+        args.kinds = 'exception'
     if args.ranks_per_node is not None and not 1 <= args.ranks_per_node <= WORLD_SIZE:
         raise SystemExit(f"--ranks-per-node={args.ranks_per_node}: expected 1..{WORLD_SIZE}")
     kinds = [k for k in args.kinds.split(",") if k]

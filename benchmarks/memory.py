@@ -54,7 +54,6 @@ import time
 from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 MB = 1024 * 1024
 PARK_LIMIT_S = 120.0  # a parked rank gives up after this long, released or not
@@ -214,7 +213,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="jobs of each mode, alternated (default 2)")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--job-timeout", type=float, default=90.0, help="seconds for a job's ranks to park (default 90)")
+    ap.add_argument("--smoke", action="store_true", help="one job of each mode, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.jobs = 1
     if args.jobs < 1 or args.world_size < 1:
         raise SystemExit("--jobs and --world-size must be >= 1")
     t_start = time.monotonic()

@@ -38,7 +38,10 @@ def _stamp(woke: dict[str, int], where: str, wait: Callable[[int, float], object
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="3 samples, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples = 3
     if args.samples < 1:
         raise SystemExit(f"--samples={args.samples}: expected >= 1")
     timeout = datetime.timedelta(seconds=10)

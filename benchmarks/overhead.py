@@ -68,7 +68,6 @@ import time
 from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 PING_CALLS = 1_000_000
 
@@ -262,7 +261,13 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--batches", type=int, default=7, help="ping batches of 1,000,000 calls (default 7)")
     ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds per job (default 240)")
+    ap.add_argument("--smoke", action="store_true", help="one short round and ping batch: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = 1
+        args.steps = 10
+        args.warmup = 2
+        args.batches = 1
     if min(args.rounds, args.steps, args.world_size, args.batches) < 1 or args.warmup < 0:
         raise SystemExit("--rounds, --steps, --world-size, --batches must be >= 1, --warmup >= 0")
 
@@ -304,7 +309,7 @@ def main() -> None:
 
     threads = {m: {c: by_thread(m, c) for c in ("main", "gloo", "other")} for m in ("wrapped", "plain")}
     lockstep = {m: [[round(us(t), 1) for t in r[m]] for r in ranks] for m in ("wrapped", "plain")}
-    ratios = [a / b for a, b in zip(w, p)]
+    ratios = [a / b for a, b in zip(w, p, strict=True)]
     slower = sum(1 for x in ratios if x > 1)
     ratio = statistics.median(w) / statistics.median(p)
     noise = (max(p) - min(p)) / statistics.median(p)

@@ -81,7 +81,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ranks", default="1,4", help="world sizes, comma separated")
     ap.add_argument("--nvrx-python", default=None, help="an interpreter with nvidia_resiliency_ext installed")
     ap.add_argument("--timeout", type=float, default=120.0, help="per job, seconds")
+    ap.add_argument("--smoke", action="store_true", help="one sample of one rank, to check that it runs (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.samples = 1
+        args.ranks = '1'
     if args.samples < 1:
         ap.error(f"--samples={args.samples}: expected >= 1")
     sizes = [int(s) for s in args.ranks.split(",")]

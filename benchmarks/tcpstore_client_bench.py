@@ -151,7 +151,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000, help="timed operations per op kind and client")
     parser.add_argument("--procs", type=int, default=3, help="processes per memory figure")
+    parser.add_argument("--smoke", action="store_true", help="few ops, one process: runs in seconds")
     args = parser.parse_args()
+    if args.smoke:
+        args.ops = 50
+        args.procs = 1
 
     import torch
     import torch.distributed as dist
