@@ -325,7 +325,8 @@ def main() -> None:
         for p in r["problems"]:
             print(f"  problem ({k}): {p}")
     print(json.dumps({
-        "benchmark": "fault_latency", "world_size": WORLD_SIZE, "ranks_per_node": args.ranks_per_node, "faults": args.faults, "fault_rank": FAULT_RANK,
+        "benchmark": "fault_latency", "world_size": WORLD_SIZE, "ranks_per_node": args.ranks_per_node,
+        "faults": args.faults, "fault_rank": FAULT_RANK,
         "timeouts_s": TIMEOUTS, "kinds": results,
     }))
 
