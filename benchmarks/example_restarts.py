@@ -27,6 +27,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess.launch import LocalJob, free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -96,6 +97,7 @@ def run_example(name: str, steps: int, faults: int, after_s: float, timeout: flo
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--after", type=float, default=1.0, help="seconds into each iteration the fault fires")

@@ -53,6 +53,8 @@ import tempfile
 import time
 from typing import Any
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 MB = 1024 * 1024
@@ -209,6 +211,7 @@ def med(rows: list[dict], key: str) -> float | None:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=2, help="jobs of each mode, alternated (default 2)")
     ap.add_argument("--world-size", type=int, default=4)

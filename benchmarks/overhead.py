@@ -67,6 +67,8 @@ import tempfile
 import time
 from typing import Any
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 PING_CALLS = 1_000_000
@@ -252,6 +254,7 @@ def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: fl
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     from inprocess.launch import free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -54,3 +54,14 @@ def stop(proc: subprocess.Popen[str], marker: str, grace_s: float = 10.0) -> Non
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def exit_on_sigterm() -> None:
+    """``kill PID`` (SIGTERM) ends the benchmark as Ctrl-C does, through its ``finally``
+    blocks and context managers, which stop what it started (Python's default for SIGTERM
+    ends the process at once, leaving its ranks or torchrun running)."""
+
+    def stop_by_exception(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop_by_exception)

@@ -130,6 +130,7 @@ def fmt(v: list[float]) -> str:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=5)
     ap.add_argument("--skip-torchrun", action="store_true")

@@ -32,6 +32,8 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"
 
@@ -76,6 +78,7 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--ranks", default="1,4", help="world sizes, comma separated")

@@ -51,6 +51,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HOST = "127.0.0.1"
 
 _CHILD = r"""
@@ -148,6 +150,7 @@ def bench_memory(port: int, procs: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000, help="timed operations per op kind and client")
     parser.add_argument("--procs", type=int, default=3, help="processes per memory figure")
