@@ -192,6 +192,7 @@ def run_job(
 
     out = tmp / tag
     out.mkdir()
+    print(f"job {tag}: {kind}, {faults} fault(s) ...", file=sys.stderr, flush=True)  # progress; results on stdout
     env = {
         "MODE": "inprocess", "OUT": str(out), "FAULTS": str(faults), "FAULT_KIND": kind,
         "FAULT_RANK": str(FAULT_RANK), "FAULT_STEP": "5", "STEPS": "10", "PING": "1", "UNGUARDED_INIT": "1",

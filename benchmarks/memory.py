@@ -228,6 +228,7 @@ def main() -> None:
     try:
         for k in range(args.jobs):
             for mode in ("wrapped", "plain"):
+                print(f"{mode} job {k + 1}/{args.jobs} ...", file=sys.stderr, flush=True)  # progress; results on stdout
                 jobs[mode].append(measure_job(mode, args.world_size, tmp, f"{mode}-{k}", args.job_timeout))
         torch_proc = parked_python("import sys, torch; print('ready', flush=True); sys.stdin.read()", 60)
         torch_dist = parked_python(

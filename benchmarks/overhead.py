@@ -244,6 +244,7 @@ def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: fl
     # One intra-op thread per rank, as torchrun sets for several ranks per node: with
     # torch's default (one per core) 4 ranks on 2 cores spin against each other and a
     # step takes ~40 ms instead of ~9 ms here, all of it scheduling noise.
+    print(f"job {tag} ({role}) ...", file=sys.stderr, flush=True)  # progress; results on stdout
     full_env = {"OVERHEAD_ROLE": role, "OVERHEAD_OUT": str(out), "OMP_NUM_THREADS": "1", **env}
     with LocalJob([str(pathlib.Path(__file__).resolve())], world_size, env=full_env) as job:
         job.wait(timeout=timeout)

@@ -39,9 +39,20 @@ WORKER = HERE / "startup_worker.py"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port P with P + 7 free too (the workers meet on MASTER_PORT + 7 before the call)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 7 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 7))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port P with P + 7 free")
 
 
 def run_once(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -99,8 +110,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{'library':<10} {'ranks':>5} {'entry p50':>10} {'entry max':>10} {'exit p50':>9} {'exit max':>9}  (ms)")
     for world_size in sizes:
         samples: dict[str, dict[str, list[float]]] = {name: {"entry": [], "exit": []} for name, _, _ in libraries}
-        for _ in range(args.samples):
+        for i in range(args.samples):
             for name, python, library in libraries:  # alternated: the machine's noise hits all alike
+                print(f"{name}, {world_size} ranks: sample {i + 1}/{args.samples} ...", file=sys.stderr, flush=True)
                 ranks = run_once(python, library, world_size, "return", args.timeout)
                 samples[name]["entry"].append(max(r["entry_ms"] for r in ranks))
                 samples[name]["exit"].append(max(r["exit_ms"] for r in ranks))
