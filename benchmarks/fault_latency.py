@@ -69,8 +69,9 @@ import tempfile
 import time
 from typing import Any, Optional
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 WORLD_SIZE = 4
 FAULT_RANK = 2
@@ -191,6 +192,7 @@ def run_job(
 
     out = tmp / tag
     out.mkdir()
+    print(f"job {tag}: {kind}, {faults} fault(s) ...", file=sys.stderr, flush=True)  # progress; results on stdout
     env = {
         "MODE": "inprocess", "OUT": str(out), "FAULTS": str(faults), "FAULT_KIND": kind,
         "FAULT_RANK": str(FAULT_RANK), "FAULT_STEP": "5", "STEPS": "10", "PING": "1", "UNGUARDED_INIT": "1",
@@ -266,6 +268,7 @@ def run_kind(
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=5, help="samples per fault kind (default 5)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
@@ -274,7 +277,11 @@ def main() -> None:
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="split the 4 ranks into nodes of this many (2: two nodes, each with a node agent); "
                          "default: one node, no agent")
+    ap.add_argument("--smoke", action="store_true", help="one exception fault, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.faults = 1
+        args.kinds = 'exception'
     if args.ranks_per_node is not None and not 1 <= args.ranks_per_node <= WORLD_SIZE:
         raise SystemExit(f"--ranks-per-node={args.ranks_per_node}: expected 1..{WORLD_SIZE}")
     kinds = [k for k in args.kinds.split(",") if k]

@@ -53,8 +53,9 @@ import tempfile
 import time
 from typing import Any
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 MB = 1024 * 1024
 PARK_LIMIT_S = 120.0  # a parked rank gives up after this long, released or not
@@ -210,11 +211,15 @@ def med(rows: list[dict], key: str) -> float | None:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=2, help="jobs of each mode, alternated (default 2)")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--job-timeout", type=float, default=90.0, help="seconds for a job's ranks to park (default 90)")
+    ap.add_argument("--smoke", action="store_true", help="one job of each mode, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.jobs = 1
     if args.jobs < 1 or args.world_size < 1:
         raise SystemExit("--jobs and --world-size must be >= 1")
     t_start = time.monotonic()
@@ -223,6 +228,7 @@ def main() -> None:
     try:
         for k in range(args.jobs):
             for mode in ("wrapped", "plain"):
+                print(f"{mode} job {k + 1}/{args.jobs} ...", file=sys.stderr, flush=True)  # progress; results on stdout
                 jobs[mode].append(measure_job(mode, args.world_size, tmp, f"{mode}-{k}", args.job_timeout))
         torch_proc = parked_python("import sys, torch; print('ready', flush=True); sys.stdin.read()", 60)
         torch_dist = parked_python(

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import OUTCOME_DECIDED, NodeLink, socket_name
@@ -36,9 +37,13 @@ def _stamp(woke: dict[str, int], where: str, wait: Callable[[int, float], object
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="3 samples, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples = 3
     if args.samples < 1:
         raise SystemExit(f"--samples={args.samples}: expected >= 1")
     timeout = datetime.timedelta(seconds=10)

@@ -67,8 +67,9 @@ import tempfile
 import time
 from typing import Any
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 PING_CALLS = 1_000_000
 
@@ -243,6 +244,7 @@ def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: fl
     # One intra-op thread per rank, as torchrun sets for several ranks per node: with
     # torch's default (one per core) 4 ranks on 2 cores spin against each other and a
     # step takes ~40 ms instead of ~9 ms here, all of it scheduling noise.
+    print(f"job {tag} ({role}) ...", file=sys.stderr, flush=True)  # progress; results on stdout
     full_env = {"OVERHEAD_ROLE": role, "OVERHEAD_OUT": str(out), "OMP_NUM_THREADS": "1", **env}
     with LocalJob([str(pathlib.Path(__file__).resolve())], world_size, env=full_env) as job:
         job.wait(timeout=timeout)
@@ -253,6 +255,7 @@ def run_job(role: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: fl
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     from inprocess.launch import free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,7 +265,13 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--batches", type=int, default=7, help="ping batches of 1,000,000 calls (default 7)")
     ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds per job (default 240)")
+    ap.add_argument("--smoke", action="store_true", help="one short round and ping batch: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = 1
+        args.steps = 10
+        args.warmup = 2
+        args.batches = 1
     if min(args.rounds, args.steps, args.world_size, args.batches) < 1 or args.warmup < 0:
         raise SystemExit("--rounds, --steps, --world-size, --batches must be >= 1, --warmup >= 0")
 

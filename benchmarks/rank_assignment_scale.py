@@ -43,12 +43,10 @@ import sys
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-from inprocess import Compose, FrozenState  # noqa: E402
-from inprocess.control.membership import ACTIVE, TERMINATED, Membership  # noqa: E402
-from inprocess.control.protocol import Decision  # noqa: E402
-from inprocess.rank_assignment import (  # noqa: E402
+from inprocess import Compose, FrozenState
+from inprocess.control.membership import ACTIVE, TERMINATED, Membership
+from inprocess.control.protocol import Decision
+from inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
     FillGaps,
@@ -65,9 +63,9 @@ from inprocess.rank_assignment import (  # noqa: E402
     key_gathering_leaves,
     run_job_wide,
 )
-from inprocess.rank_assignment.agreed import AgreedInputs  # noqa: E402
-from inprocess.rank_assignment.consistency import check_membership  # noqa: E402
-from inprocess.rank_assignment.decision import run_per_rank, verify_own_row  # noqa: E402
+from inprocess.rank_assignment.agreed import AgreedInputs
+from inprocess.rank_assignment.consistency import check_membership
+from inprocess.rank_assignment.decision import run_per_rank, verify_own_row
 
 PER_NODE = 8
 PER_RACK = 512
@@ -239,7 +237,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-per-rank", action="store_true", help="leave out the per-rank rows (slow at 16,384 ranks)")
     ap.add_argument("--markdown", help="also write the table, command and machine to this Markdown file")
+    ap.add_argument("--smoke", action="store_true", help="512 ranks, one run per row, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.n = 512
+        args.lost = 8
+        args.repeat = 1
     n, n_lost = args.n, args.lost
     if n % PER_RACK or n_lost % PER_NODE or not 0 < n_lost < n:
         ap.error(f"--n={n} must be a multiple of {PER_RACK} and --lost={n_lost} a multiple of {PER_NODE} below it")

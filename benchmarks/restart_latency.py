@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 
 def read(out: pathlib.Path, world_size: int) -> list[list[dict]]:
@@ -82,7 +83,8 @@ def run_inprocess(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
     out = tmp / "inprocess"
     out.mkdir()
     env = {"MODE": "inprocess", "OUT": str(out), "FAULTS": str(faults)}
-    with LocalJob([str(HERE / "latency_worker.py")], 4, env=env) as job:
+    print(f"inprocess: 4 ranks, {faults} faults ...", flush=True)
+    with LocalJob([str(HERE / "latency_worker.py")], 4, env=env) as job:  # kills every rank on any exit
         job.wait(timeout=120 + 10 * faults)
     bad = [rp for rp in job.ranks if rp.returncode != 0]
     if bad:
@@ -95,7 +97,8 @@ def run_torchrun(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
 
     out = tmp / "torchrun"
     out.mkdir()
-    env = dict(os.environ, MODE="torchrun", OUT=str(out), FAULTS=str(faults),
+    marker = f"INPROCESS_BENCH_RUN={tmp}"  # inherited by torchrun's workers: found and stopped at the end
+    env = dict(os.environ, MODE="torchrun", OUT=str(out), FAULTS=str(faults), INPROCESS_BENCH_RUN=str(tmp),
                # torch 2.13 restarts a gloo job only with the c10d rendezvous and an unshared store
                # (otherwise restarted ranks read the previous attempt's addresses: pytorch/pytorch#135712).
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
@@ -104,14 +107,13 @@ def run_torchrun(faults: int, tmp: pathlib.Path) -> list[list[dict]]:
            # teardown ("terminate called without an active exception"), which costs one.
            f"--max-restarts={faults + 3}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            "--monitor-interval=0.1", str(HERE / "latency_worker.py")]
+    print(f"torchrun: 4 workers, {faults} faults, --max-restarts={faults + 3} ...", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=60 + 30 * faults)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        reaping.stop(proc, marker)  # also on Ctrl-C: torchrun's workers run in sessions of their own
     if proc.returncode != 0:
         # Keep what was measured: the restarts that did happen are still valid samples.
         crashes = output.count("terminate called")
@@ -128,10 +130,15 @@ def fmt(v: list[float]) -> str:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=5)
     ap.add_argument("--skip-torchrun", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="one fault, in-process only, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.faults = 1
+        args.skip_torchrun = True
     if args.faults < 1:
         raise SystemExit(f"--faults={args.faults}: expected >= 1")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="inprocess-bench-"))

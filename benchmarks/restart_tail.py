@@ -50,7 +50,6 @@ import time
 from typing import Any, Optional
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 
 WORLD_SIZE = 4
 SLOW_S = 0.150
@@ -252,7 +251,10 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=None, help="stop the job after this many seconds")
     ap.add_argument("--private-hosts", action="store_true",
                     help="name ::ffff:127.0.0.1 in a private /etc/hosts (see above)")
+    ap.add_argument("--smoke", action="store_true", help="3 faults, to check that it runs (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.faults = 3
     if args.faults < 1:
         raise SystemExit(f"--faults={args.faults}: expected >= 1")
     if args.gloo_timeout <= 0:

@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any, Optional
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"
 
@@ -96,12 +98,17 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--ranks", default="1,4", help="world sizes, comma separated")
     ap.add_argument("--nvrx-python", default=None, help="an interpreter with nvidia_resiliency_ext installed")
     ap.add_argument("--timeout", type=float, default=120.0, help="per job, seconds")
+    ap.add_argument("--smoke", action="store_true", help="one sample of one rank, to check that it runs (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.samples = 1
+        args.ranks = '1'
     if args.samples < 1:
         ap.error(f"--samples={args.samples}: expected >= 1")
     sizes = [int(s) for s in args.ranks.split(",") if s]  # --ranks "": the soft-timeout rows only
@@ -112,8 +119,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{'library':<10} {'ranks':>5} {'entry p50':>10} {'entry max':>10} {'exit p50':>9} {'exit max':>9}  (ms)")
     for world_size in sizes:
         samples: dict[str, dict[str, list[float]]] = {name: {"entry": [], "exit": []} for name, _, _ in libraries}
-        for _ in range(args.samples):
+        for i in range(args.samples):
             for name, python, library in libraries:  # alternated: the machine's noise hits all alike
+                print(f"{name}, {world_size} ranks: sample {i + 1}/{args.samples} ...", file=sys.stderr, flush=True)
                 ranks = run_once(python, library, world_size, "return", args.timeout)
                 samples[name]["entry"].append(max(r["entry_ms"] for r in ranks))
                 samples[name]["exit"].append(max(r["exit_ms"] for r in ranks))

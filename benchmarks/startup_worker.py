@@ -5,8 +5,8 @@ STARTUP_LIBRARY: "bare" (no wrapper), or the module to wrap with ("inprocess",
 returns at once) or "soft_timeout" (one rank, soft_timeout 1 s: a ping, then
 10 ms sleeps without pinging, under RetryController(max_iterations=1); the
 intervals 0.1 s, below soft_timeout as both libraries require).
-Before the call, every rank meets the others on a plain TCPStore (MASTER_PORT
-+ 7), so that the launcher's skew is not measured. Prints one JSON line.
+Before the call, every rank meets the others on a plain TCPStore (on
+STARTUP_MEETING_PORT), so that the launcher's skew is not measured. Prints one JSON line.
 """
 
 import datetime

@@ -51,6 +51,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HOST = "127.0.0.1"
 
 _CHILD = r"""
@@ -121,7 +123,7 @@ def bench_latency(port: int, n_ops: int, block: int = 100) -> list[dict[str, Any
         med = {name: statistics.median(s) for name, s in samples.items()}
         rows.append({"op": op, "ours_us": med["ours"], "torch_us": med["torch"], "ratio": med["ours"] / med["torch"]})
     ours.close()
-    ops.clear()  # the lambdas hold torch's client: it disconnects once they are gone
+    ops.clear()  # the closures hold torch's client: it goes with them, and its connection closes
     return rows
 
 
@@ -148,10 +150,15 @@ def bench_memory(port: int, procs: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000, help="timed operations per op kind and client")
     parser.add_argument("--procs", type=int, default=3, help="processes per memory figure")
+    parser.add_argument("--smoke", action="store_true", help="few ops, one process: runs in seconds")
     args = parser.parse_args()
+    if args.smoke:
+        args.ops = 50
+        args.procs = 1
 
     import torch
     import torch.distributed as dist

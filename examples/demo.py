@@ -1,7 +1,9 @@
 """A 4-rank CPU training job that survives faults without leaving its processes.
 
     python examples/demo.py                                      # starts 4 ranks on 127.0.0.1
-    torchrun --standalone --nproc-per-node 4 examples/demo.py    # or let torchrun start them
+    DEMO_FAULTS=2:30,1:60 torchrun --standalone --nproc-per-node 4 examples/demo.py
+                    # under torchrun: exceptions only; a killed worker is torchrun's to
+                    # replace, with all the others (README, "Launchers")
 
 A small MLP trains under DDP (gloo) for 100 steps. Rank 2 raises at step 30,
 rank 1 at step 60, and rank 0's process is SIGKILLed at step 80; each time the

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .control.host_names import numeric_host_names
+from .control.incarnation import job_incarnation
 from .control.tcpstore_client import StoreError, TCPStoreClient
 from .engine import sockets
 from .processes import store_host
@@ -122,7 +123,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
-                                     parent_pid=os.getpid(), libuv=bool(use_libuv))
+                                     parent_pid=os.getpid(), libuv=bool(use_libuv), incarnation=job_incarnation())
             # Forked, not exec'd: the rank has imported torch already, a fresh interpreter
             # would import it again before the first barrier (processes/forked.py).
             self.host_process = fork_helper(config, store_host.serve, ready_timeout_s=timeout.total_seconds(),

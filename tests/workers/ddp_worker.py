@@ -4,10 +4,12 @@ Configured by environment variables (tests set them):
   INPROCESS_TEST_OUT    directory for this rank's JSON result
   INPROCESS_TEST_PLAN   JSON: {"steps": 40, "faults": [{"iteration": 0, "rank": 2,
                         "step": 5, "kind": "exception"}], "wrapper": {...}}
-Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort,
+Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort, swallow_restart,
 hang (sleep outside any collective: the peers block in theirs), and
 delayed_exception (raise after "delay" seconds, so the peers are certainly
 blocked in a collective waiting for a rank that hangs).
+Under torchrun a fault with "restart_count": N fires only in the launcher's
+incarnation N (TORCHELASTIC_RESTART_COUNT); one without it fires in every one.
 """
 
 import datetime
@@ -28,6 +30,8 @@ from inprocess.engine import pg_tracker
 PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))
 OUT = os.environ["INPROCESS_TEST_OUT"]
 INITIAL_RANK = int(os.environ["RANK"])
+# torchrun's incarnation of the workers (0 before its first restart; absent elsewhere).
+RESTART_COUNT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"),
                     format=f"%(relativeCreated)d r{INITIAL_RANK} %(threadName)s %(message)s")
 if os.environ.get("INPROCESS_TEST_DUMP_AFTER"):
@@ -96,6 +100,17 @@ def inject(kind):  # noqa: C901 - one branch per fault kind, read as a table
         os.kill(link.board.agent_pid, 9)
         log["node_agent_killed"] = link.board.agent_pid
         return
+    if kind == "swallow_restart":
+        # A loop that swallows every exception, the restart's interruption included, and
+        # pings (so no timeout takes it for a hang): only the release deadline ends it. Bounded: 60 s.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                LAST_CALL["call"].ping()
+                time.sleep(0.05)
+            except BaseException as e:
+                log["swallowed"] = type(e).__name__
+        return
     if kind.startswith("protected_sleep"):
         # Longer than both timeouts, but inside disable_hang_protection(): no restart.
         with LAST_CALL["call"].disable_hang_protection():
@@ -120,12 +135,13 @@ def make_hooks(spec):
     def hook(state):
         hits = log.setdefault("hook_calls", {})
         hits[name] = hits.get(name, 0) + 1
-        if state.initial_rank == rank and state.iteration == iteration and hits[name] >= target.get("from_call", 1):
+        if (state.initial_rank == rank and state.iteration == iteration and hits[name] >= target.get("from_call", 1)
+                and target.get("restart_count", RESTART_COUNT) == RESTART_COUNT):
             if exc_kind == "exception":
                 raise RuntimeError(f"injected {name} failure")
             if exc_kind == "context_lost":
                 # The rank ends in os._exit(76): what the test reads is written now.
-                with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:
+                with open(os.path.join(OUT, result_name()), "w") as f:
                     json.dump(log, f)
                 raise inprocess.gpu.CudaContextLost(f"injected lost context in {name}", 700,
                                                     "CUDA_ERROR_ILLEGAL_ADDRESS")
@@ -190,7 +206,14 @@ if ra is not None:
     kwargs["rank_assignment"] = ra
 
 LAST_CALL = {}
-log = {"initial_rank": INITIAL_RANK, "iterations": [], "fds": [], "threads": []}
+log = {"initial_rank": INITIAL_RANK, "restart_count": RESTART_COUNT, "iterations": [], "fds": [], "threads": []}
+
+
+def result_name():
+    """rank<r>.json; under torchrun one file per incarnation of the workers: rank<r>.torchrun<N>.json."""
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return f"rank{INITIAL_RANK}.torchrun{RESTART_COUNT}.json"
+    return f"rank{INITIAL_RANK}.json"
 
 if PLAN.get("time_clones"):
     # Every new store connection the engine opens goes through inprocess.store.clone: time each one.
@@ -271,7 +294,8 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     for step in range(PLAN.get("steps", 20)):
         call_wrapper.ping()
         for f in PLAN.get("faults", []):
-            if f["iteration"] == it and f["rank"] == INITIAL_RANK and f["step"] == step:
+            if (f["iteration"] == it and f["rank"] == INITIAL_RANK and f["step"] == step
+                    and f.get("restart_count", RESTART_COUNT) == RESTART_COUNT):
                 inject(f["kind"])
         if PLAN.get("step_sleep"):
             time.sleep(PLAN["step_sleep"])
@@ -315,7 +339,7 @@ def main():
     LAST_CALL.clear()  # the CallWrapper holds the store; let it go before counting
     log["final_fds"] = count_fds()
     log["final_threads"] = threading.active_count()
-    with open(os.path.join(OUT, f"rank{INITIAL_RANK}.json"), "w") as f:
+    with open(os.path.join(OUT, result_name()), "w") as f:
         json.dump(log, f)
     if exc_name is not None:
         sys.exit(17)

@@ -16,6 +16,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from .. import _native
+from .incarnation import job_incarnation
 
 log = logging.getLogger("inprocess.processes.node_agent")
 
@@ -51,20 +52,15 @@ class NodeLayout:
         return None
 
 
-# Set by the launchers, different for every incarnation of a job: torchrun
-# restarts its workers with the same store address and call index, and an
-# agent of the previous workers may still be winding down.
-_INCARNATION_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
-                     "SLURM_RESTART_COUNT")
-
-
 def socket_name(store_host: str, store_port: int, call: int, node: str, env: Optional[dict[str, str]] = None) -> bytes:
     """Abstract Unix socket name of a node's agent: unique per job incarnation, call and node.
 
-    The agent inherits its spawner's environment, so both sides name the same socket.
+    torchrun restarts its workers with the same store address and call index,
+    and an agent of the previous workers may still be winding down: the name
+    holds the job's incarnation. The agent inherits its spawner's environment,
+    so both sides name the same socket.
     """
-    env = dict(os.environ) if env is None else env
-    incarnation = ",".join(env.get(name, "") for name in _INCARNATION_VARS)
+    incarnation = job_incarnation(env)
     return f"\0inprocess-node/{store_host}:{store_port}/{incarnation}/{call}/{node}".encode()
 
 

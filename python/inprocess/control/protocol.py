@@ -6,7 +6,9 @@ number of faults, not with the world size), no rank reads a per-rank list,
 and nothing is polled. The same code drives the training ranks, the monitor
 processes and the control-plane simulator in ``benchmarks/``.
 
-Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls):
+Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls;
+under ``inprocess/<incarnation>/<call>/`` where a launcher names the job's
+incarnation, :mod:`inprocess.control.incarnation`):
 
 =====================  =====================================================
 ``<i>/event``          "restart" or "complete": the first writer wins
@@ -70,6 +72,7 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from ..exception import InternalError, TimeoutError
+from .incarnation import call_prefix
 from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
@@ -90,14 +93,14 @@ NODE_POLL_S = 0.5
 log = logging.getLogger("inprocess")
 
 
-def done_key(call: int) -> str:
+def done_key(call: int, incarnation: str = "") -> str:
     """Set when the last rank left call ``call``; the store host exits on it."""
-    return f"inprocess/{call}/done"
+    return f"{call_prefix(call, incarnation)}done"
 
 
-def monitor_heartbeat_key(call: int, rank: int) -> str:
+def monitor_heartbeat_key(call: int, rank: int, incarnation: str = "") -> str:
     """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
-    return f"inprocess/{call}/monitors/{rank}"
+    return f"{call_prefix(call, incarnation)}monitors/{rank}"
 
 
 class SeatTaken(Exception):
@@ -121,14 +124,18 @@ class RestartProtocol:
     and the barrier's outcome come from the node's board and the rank's
     healthy arrival goes there. Without it (or once the agent is gone)
     everything goes to the store directly.
+
+    ``incarnation`` is the launcher's incarnation of the job
+    (:func:`inprocess.control.incarnation.job_incarnation`): a restarted
+    incarnation meets a store its predecessor wrote to, under another prefix.
     """
 
     def __init__(
         self, store: Any, call: int = 0, link: Optional[NodeBoardLink] = None, *,
-        initial_world_size: Optional[int] = None,
+        initial_world_size: Optional[int] = None, incarnation: str = "",
     ):
         self.counted = CountingStore(store)
-        self.prefix = f"inprocess/{call}/"
+        self.prefix = call_prefix(call, incarnation)
         self.link = link
         # Where the seats are, to name the ranks a barrier misses (unknown: not named).
         self.initial_world_size = initial_world_size

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .. import _native
 from .. import store as store_mod
 from ..control.host_names import numeric_host_names
+from ..control.incarnation import job_incarnation
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
 from ..events import EventLog
@@ -76,6 +77,8 @@ class RankRuntime:
         self._w = wrapper
         self._state = state
         self.call_index = call_index
+        # The launcher's incarnation (torchrun's restart count, SLURM's job/step/restart): in every key.
+        self.incarnation = job_incarnation()
         self._stack = contextlib.ExitStack()
         # The function's own rendezvous: a fresh client per iteration (open_iteration_store).
         self._user_client: Optional[dist.Store] = None
@@ -143,10 +146,11 @@ class RankRuntime:
         stack.callback(self._close_node_link)
 
         world = self._state.initial_world_size
-        self.protocol = RestartProtocol(self.store, self.call_index, self.node_link, initial_world_size=world)
+        self.protocol = RestartProtocol(self.store, self.call_index, self.node_link, initial_world_size=world,
+                                        incarnation=self.incarnation)
         trigger_protocol = RestartProtocol(
             store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link,
-            initial_world_size=world,
+            initial_world_size=world, incarnation=self.incarnation,
         )
         self.trigger = RestartTrigger(
             trigger_protocol,
@@ -214,7 +218,8 @@ class RankRuntime:
         t = self._w.timeouts
         if layout.local_rank == 0:
             self._node_agent = HelperProcess.start(NodeAgentConfig(
-                store_host=store.host, store_port=store.port, call=self.call_index, node=layout.node,
+                store_host=store.host, store_port=store.port, call=self.call_index, incarnation=self.incarnation,
+                node=layout.node,
                 slots=layout.local_world_size, store_timeout_s=t.agent_store_op_s, connect_timeout_s=t.agent_connect_s,
             ))
         name = socket_name(store.host, store.port, self.call_index, layout.node)
@@ -234,7 +239,8 @@ class RankRuntime:
             return None
         t = self._w.timeouts
         return HelperProcess.start(MonitorConfig(
-            store_host=store.host, store_port=store.port, call=self.call_index, rank=self._state.initial_rank,
+            store_host=store.host, store_port=store.port, call=self.call_index, incarnation=self.incarnation,
+            rank=self._state.initial_rank,
             heartbeat_fd=self.heartbeat.fd, pid=os.getpid(), world_size=self._state.initial_world_size,
             grace_s=_seconds(t.termination_grace_time),
             store_timeout_s=t.monitor_store_op_s,
@@ -320,7 +326,7 @@ class RankRuntime:
 
     def _call_is_done(self) -> bool:
         try:
-            return bool(self.store.check([done_key(self.call_index)]))
+            return bool(self.store.check([done_key(self.call_index, self.incarnation)]))
         except Exception:  # the server went away: so did the call
             return True
 

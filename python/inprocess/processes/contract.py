@@ -85,6 +85,7 @@ ANY = Rule("", lambda v: True)
 POSITIVE = Rule("> 0", lambda v: v > 0)
 NON_NEGATIVE = Rule(">= 0", lambda v: v >= 0)
 NOT_EMPTY = Rule("that is not empty", lambda v: v != "")
+NO_SLASH = Rule("without '/' (one level of a store key)", lambda v: "/" not in v)
 
 
 def within(low: int, high: int) -> Rule:
@@ -270,6 +271,7 @@ class MonitorConfig(HelperConfig):
     store_host: str = option("TCPStore server host", NOT_EMPTY)
     store_port: int = option("TCPStore server port", within(1, 65535))
     call: int = option("wrapped call index (key prefix)", NON_NEGATIVE)
+    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
     rank: int = option("initial rank of the watched rank", NON_NEGATIVE)
     heartbeat_fd: int = option("inherited descriptor of the rank's heartbeat page", NON_NEGATIVE)
     pid: int = option("pid of the rank process", POSITIVE)
@@ -308,6 +310,7 @@ class StoreHostConfig(HelperConfig):
     parent_pid: int = option("the process that started this one (0: none)", NON_NEGATIVE, default=0)
     check_interval_s: float = option("how often the lifetime is checked", POSITIVE, default=1.0)
     libuv: bool = option("torch's libuv server backend (false: the legacy one)", default=True)
+    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
 
     def describe(self) -> str:
         return f"the TCPStore host process for port {self.port}"
@@ -322,6 +325,7 @@ class NodeAgentConfig(HelperConfig):
     store_host: str = option("TCPStore server host", NOT_EMPTY)
     store_port: int = option("TCPStore server port", within(1, 65535))
     call: int = option("wrapped call index (key prefix)", NON_NEGATIVE)
+    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
     node: str = option("this node's name (names the agent's socket)", NOT_EMPTY)
     slots: int = option("ranks on this node (LOCAL_WORLD_SIZE)", POSITIVE)
     store_timeout_s: float = option("deadline of every store operation", POSITIVE)

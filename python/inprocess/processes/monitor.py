@@ -129,10 +129,11 @@ class PeerWatch:
     seat makes only the first to count it out do so.
     """
 
-    def __init__(self, call: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, call: int, rank: int, world_size: int, timeout_s: float, incarnation: str = ""):
         width = min(WATCHED_PEERS, world_size - 1)
         self.peers = [(rank + k) % world_size for k in range(1, width + 1)]
         self.call = call
+        self.incarnation = incarnation
         self.timeout_s = timeout_s
         self.last: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self.done: set[int] = set()  # gone on purpose, or counted out
@@ -146,7 +147,7 @@ class PeerWatch:
         missing = [p for p in self.peers if p not in self.exists]
         if not missing:
             return
-        keys = [monitor_heartbeat_key(self.call, p) for p in missing]
+        keys = [monitor_heartbeat_key(self.call, p, self.incarnation) for p in missing]
         if store.check(keys):
             self.exists.update(missing)
             return
@@ -160,7 +161,7 @@ class PeerWatch:
         peers = [p for p in self.peers if p in self.exists and p not in self.done]
         if not peers:
             return []
-        values = store.multi_get([monitor_heartbeat_key(self.call, p) for p in peers])
+        values = store.multi_get([monitor_heartbeat_key(self.call, p, self.incarnation) for p in peers])
         now = time.monotonic()
         lost = []
         for peer, raw in zip(peers, values, strict=True):
@@ -195,7 +196,8 @@ class Monitor:
         self._stop_heartbeat = threading.Event()
         self.watch: Optional[PeerWatch] = None
         if args.heartbeat_interval_s > 0 and args.heartbeat_timeout_s > 0 and args.world_size:
-            self.watch = PeerWatch(args.call, args.rank, args.world_size, args.heartbeat_timeout_s)
+            self.watch = PeerWatch(args.call, args.rank, args.world_size, args.heartbeat_timeout_s,
+                                   args.incarnation)
         self._heartbeat_thread: Optional[threading.Thread] = None
         self._event: Optional[_native.GuardEvent] = None
         self._start_time: Optional[int] = None
@@ -209,13 +211,13 @@ class Monitor:
     @property
     def protocol(self) -> RestartProtocol:
         if self._protocol is None:
-            self._protocol = RestartProtocol(self._connect(), self.args.call)
+            self._protocol = RestartProtocol(self._connect(), self.args.call, incarnation=self.args.incarnation)
         return self._protocol
 
     def _heartbeat_loop(self) -> None:
         """Every heartbeat interval: one ``add`` to this monitor's counter, and
         one ``multi_get`` of the counters of the peers it watches."""
-        key = monitor_heartbeat_key(self.args.call, self.rank)
+        key = monitor_heartbeat_key(self.args.call, self.rank, self.args.incarnation)
         store = None
         while True:
             try:
@@ -268,7 +270,7 @@ class Monitor:
                 timeout = min(self.args.store_timeout_s, _MARK_GONE_CONNECT_S)
                 store = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
                                        connect_timeout=timeout)
-            store.add(monitor_heartbeat_key(self.args.call, self.rank), HEARTBEAT_GONE)
+            store.add(monitor_heartbeat_key(self.args.call, self.rank, self.args.incarnation), HEARTBEAT_GONE)
         except StoreConnectionError as e:
             log.info("the store is gone (the job is over): nothing to mark (%s)", e)
         except Exception as e:
@@ -411,7 +413,8 @@ class Monitor:
         def fault(iteration: int) -> FaultRecord:
             return FaultRecord(rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
 
-        protocol = self.protocol if store is None else RestartProtocol(store, self.args.call)
+        protocol = (self.protocol if store is None
+                    else RestartProtocol(store, self.args.call, incarnation=self.args.incarnation))
 
         def expected_at(barrier: int) -> Optional[int]:
             if barrier == 0:

@@ -123,7 +123,7 @@ class NodeAgent:
         from ..control.tcpstore_client import TCPStoreClient
 
         client = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s)
-        return RestartProtocol(client, self.args.call)
+        return RestartProtocol(client, self.args.call, incarnation=self.args.incarnation)
 
     def _forward_loop(self) -> None:
         p = self._protocol()

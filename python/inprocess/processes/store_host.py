@@ -54,8 +54,9 @@ class _JobLiveness:
     timeout, with one ``multi_get`` of the counters known to exist (plus one
     ``check`` per counter not seen yet): never O(N) requests."""
 
-    def __init__(self, store: Any, world_size: int, idle_timeout_s: float):
+    def __init__(self, store: Any, world_size: int, idle_timeout_s: float, incarnation: str = ""):
         self.store = store
+        self.incarnation = incarnation
         self.world_size = world_size
         self.every_s = idle_timeout_s / 4
         self.known: list[int] = []
@@ -69,12 +70,12 @@ class _JobLiveness:
         if now - self.last_read >= self.every_s:
             self.last_read = now
             for rank in sorted(self.unknown):
-                if self.store.check([monitor_heartbeat_key(call, rank)]):
+                if self.store.check([monitor_heartbeat_key(call, rank, self.incarnation)]):
                     self.unknown.discard(rank)
                     self.known.append(rank)
                     self.last_progress = now  # a counter that appeared is news
             if self.known:
-                values = self.store.multi_get([monitor_heartbeat_key(call, r) for r in self.known])
+                values = self.store.multi_get([monitor_heartbeat_key(call, r, self.incarnation) for r in self.known])
                 if values != self.values:
                     self.last_progress = now
                 self.values = values
@@ -108,7 +109,7 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     # Its own waits go through the torch-free client: torch's client logs a warning
     # on every wait that times out, once per check interval for the whole job.
     client = TCPStoreClient("127.0.0.1", server.port, timeout=config.check_interval_s)
-    liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s)
+    liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, config.incarnation)
     call: Optional[int] = None
     while not stop.is_set():
         try:
@@ -117,7 +118,7 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
                 client.wait([CALL_KEY], config.check_interval_s)
                 call = int(client.get(CALL_KEY))
                 continue
-            client.wait([done_key(call)], config.check_interval_s)
+            client.wait([done_key(call, config.incarnation)], config.check_interval_s)
             log.info("call %d is done", call)
             return EXIT_OK
         except Exception as e:

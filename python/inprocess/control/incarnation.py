@@ -1,0 +1,50 @@
+"""The launcher's incarnation of a job, which scopes every store key of a call.
+
+torchrun restarts its workers (``--max-restarts``) with the same store
+address and the same call index; with its shared agent store
+(``TORCHELASTIC_USE_AGENT_STORE``) the store even outlives the workers, and
+holds whatever the previous workers wrote: seats, barrier counters, events.
+SLURM requeues a job (``SLURM_RESTART_COUNT``) or runs a new step with the
+same addresses. The keys, the node agent's socket name and the helper
+processes' view of the store therefore include the variables the launchers
+set differently for every incarnation, so that a new incarnation never reads
+its predecessor's keys. This module imports no torch: the helper processes use it.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import Mapping, Optional
+
+# Set by the launchers, different for every incarnation of a job.
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
+INCARNATION_VARS = TORCHRUN_VARS + SLURM_VARS
+
+
+def _part(launcher: str, names: tuple[str, ...], env: Mapping[str, str]) -> Optional[str]:
+    if not any(name in env for name in names):
+        return None
+    # quote: a run id is the user's text (torchrun's --rdzv-id); a "/" in it must not add a key level.
+    return launcher + "." + ".".join(urllib.parse.quote(env.get(name, ""), safe="") for name in names)
+
+
+def job_incarnation(env: Optional[Mapping[str, str]] = None) -> str:
+    """This incarnation of the job, e.g. ``torchrun.<run id>.<restart count>`` or
+    ``slurm.<job>.<step>.<restart count>`` (both, joined by ``+``, under torchrun
+    inside SLURM); ``""`` when no launcher set any of :data:`INCARNATION_VARS`."""
+    env = os.environ if env is None else env
+    parts = [p for p in (_part("torchrun", TORCHRUN_VARS, env), _part("slurm", SLURM_VARS, env)) if p is not None]
+    return "+".join(parts)
+
+
+def call_prefix(call: int, incarnation: str = "") -> str:
+    """The prefix of every store key of wrapped call ``call`` in ``incarnation``:
+    ``inprocess/<call>/`` without a launcher's incarnation,
+    ``inprocess/<incarnation>/<call>/`` with one."""
+    if type(call) is not int or call < 0:
+        raise ValueError(f"call={call!r}: expected a wrapped call index (int >= 0)")
+    if "/" in incarnation:
+        raise ValueError(f"incarnation={incarnation!r}: expected no '/' (job_incarnation() quotes it)")
+    return f"inprocess/{incarnation}/{call}/" if incarnation else f"inprocess/{call}/"

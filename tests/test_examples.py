@@ -1,0 +1,108 @@
+"""The examples of ``examples/`` run as the README shows them, on CPU/gloo, with faults
+injected through ``INPROCESS_FAULTS`` (the examples themselves hold no fault code)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import leftover_processes
+from inprocess.launch import LocalJob
+from test_torchrun import reap_marked
+
+EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (minimal.py's wrapper serves MASTER_PORT + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise RuntimeError("no two consecutive free ports found")
+
+
+def run_example(argv: list[str], faults: str, world_size: int = 4, port: int | None = None,
+                timeout: float = 120.0) -> list[tuple[int, str]]:
+    env = {"INPROCESS_FAULTS": faults} if faults else {}
+    with LocalJob(argv, world_size, env=env, port=port) as job:
+        ranks = job.wait(timeout)
+        assert not leftover_processes({r.popen.pid for r in ranks}, grace=10.0), job.outputs()[-5000:]
+    return [(r.returncode or 0, r.output) for r in ranks]
+
+
+def test_minimal_wraps_main_as_it_is_and_restarts_it_from_the_beginning() -> None:
+    ranks = run_example([str(EXAMPLES / "minimal.py"), "--steps", "100"],
+                        "exception@rank=2,after=1s", port=free_port_pair())
+    codes = [rc for rc, _ in ranks]
+    everything = "\n".join(out for _, out in ranks)
+    assert codes == [0, 0, 0, 0], everything[-8000:]
+    assert "restart after iteration 0: cause: rank 2 exception: InjectedException" in everything
+    assert "[minimal] 100 steps in" in ranks[0][1], ranks[0][1]
+
+
+def test_optimal_resumes_from_its_checkpoint_after_an_exception_and_a_sigkill() -> None:
+    ranks = run_example([str(EXAMPLES / "optimal.py"), "--steps", "300"],
+                        "exception@rank=2,step=60;sigkill@rank=1,step=150,iteration=1")
+    codes = [rc for rc, _ in ranks]
+    everything = "\n".join(out for _, out in ranks)
+    assert codes == [0, -signal.SIGKILL, 0, 0], everything[-8000:]
+    assert "[optimal] 300 steps done in iteration 2 (2 restarts)" in ranks[0][1], everything[-8000:]
+    # Resumed from the checkpoint, not from step 0 (one step back where a restart caught a rank before its commit).
+    assert re.search(r"iteration 1: 4 ranks resume at step (59|60)\b", ranks[0][1]), ranks[0][1]
+    assert re.search(r"iteration 2: 3 ranks resume at step (149|150)\b", ranks[0][1]), ranks[0][1]
+    for rank in (0, 2, 3):
+        assert re.search(r"\[optimal\] rank \d done in", ranks[rank][1]), ranks[rank][1]
+
+
+@pytest.mark.parametrize("faults", ["sigkill@rank=1,step=40", ""], ids=["a_rank_killed", "no_fault"])
+def test_a_spare_takes_over_from_a_killed_rank(faults: str) -> None:
+    ranks = run_example([str(EXAMPLES / "spares.py"), "--steps", "80"], faults)
+    everything = "\n".join(out for _, out in ranks)
+    if faults:
+        assert [rc for rc, _ in ranks] == [0, -signal.SIGKILL, 0, 0], everything[-8000:]
+        assert "spares activated: [3]" in everything
+        assert "initial rank 3 takes over as active rank 2 in iteration 1" in ranks[3][1], everything[-8000:]
+        assert "80 steps done on 3 active ranks in iteration 1" in everything
+    else:
+        assert [rc for rc, _ in ranks] == [0, 0, 0, 0], everything[-8000:]
+        assert "initial rank 3: spare, never activated" in ranks[3][1], everything[-8000:]
+        assert "80 steps done on 3 active ranks in iteration 0" in everything
+
+
+def test_optimal_under_torchrun_restarts_in_process(tmp_path: pathlib.Path) -> None:
+    marker = f"INPROCESS_EXAMPLE_TEST={tmp_path}"
+    env = dict(os.environ, INPROCESS_EXAMPLE_TEST=str(tmp_path), INPROCESS_FAULTS="exception@rank=3,step=50",
+               LOGLEVEL="INFO")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
+           str(EXAMPLES / "optimal.py"), "--steps", "150"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        left = reap_marked(marker)
+    assert proc.returncode == 0, out[-8000:]
+    assert not left, left
+    assert "[optimal] 150 steps done in iteration 1 (1 restarts)" in out, out[-8000:]
+    assert "will restart worker group" not in out
