@@ -38,7 +38,6 @@ from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
-from .gpu.errors import CudaContextLost, leave_for_lost_context
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -47,6 +46,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
+from .gpu.errors import CudaContextLost, leave_for_lost_context
 from .rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from .state import FrozenState, Mode, State
 
@@ -586,6 +586,8 @@ class CallWrapper:
         if self._rt is not None:
             self._rt.heartbeat.set_phase(phase)
             self._emit("phase", phase=phase.name, iteration=self.state.iteration)
+        s = self.state  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
+        faults.enter_phase(phase.name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
 
     def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
         events = self._rt.events if self._rt is not None else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..compose import leaves
 from ..control.membership import NONE, TERMINATED, Membership
@@ -184,6 +184,7 @@ def decide(
     topology: Optional[Topology] = None,
     *,
     hook_iteration: Optional[int] = None,
+    before_assignment: Optional[Callable[[], None]] = None,
 ) -> Decision:
     """The leader's one decision for the whole job.
 
@@ -192,12 +193,15 @@ def decide(
     first); ``dead`` the initial ranks lost at this restart. Never raises: a
     failing or inconsistent rank assignment, or a rank that reported a
     :class:`RankAssignmentMismatch`, becomes a decision that ends the job on
-    every rank (``abort``), with the error in its message.
+    every rank (``abort``), with the error in its message. ``before_assignment``
+    runs first, inside that rule (the fault injector's ``phase=reassignment``).
     """
     start = time.monotonic_ns()
     abort = None
     topology = topology if topology is not None else Topology.empty()
     try:
+        if before_assignment is not None:
+            before_assignment()
         _abort_on_mismatch(faults)
         if uses_per_rank_hooks(rank_assignment):
             seen = max(iteration - 1, 0) if hook_iteration is None else hook_iteration
