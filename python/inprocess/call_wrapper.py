@@ -191,6 +191,12 @@ class CallWrapper:
                 self._restart(outcome)
         except LeaveJob as leaving:
             self._leave_job(leaving)
+        except BaseException as e:
+            # Raised in the engine's own code or waits, outside the function: a
+            # KeyboardInterrupt while a spare waits or at a barrier, a failure of
+            # the machinery. The rule for "anywhere": this rank leaves, counted
+            # out, so that nobody waits for it.
+            self._leave_job(LeaveJob(e, Leave.TERMINATED))
 
     def _join(self) -> None:
         s = self.state
