@@ -281,11 +281,22 @@ class CallWrapper:
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
-        # A spare blocks on the trigger's event: no CPU burnt while it waits.
-        with faults.arm_from_environment(self.state.freeze()):
-            outcome.done.wait()
+        with faults.arm_from_environment(self.state.freeze()), self._hang_protection():
+            self._wait_stamping_progress(outcome)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, None
+
+    def _wait_stamping_progress(self, outcome: IterationOutcome) -> None:
+        """A spare blocks on the trigger's event (the event wakes it at once),
+        stamping progress every quarter of ``soft_timeout`` while it waits: a
+        spare that is frozen (SIGSTOP) or stuck holding the GIL stops stamping,
+        and its monitor kills it at ``hard_timeout`` as it would an active rank.
+        Without the stamps nothing would ever end such a spare, and its node's
+        job would wait for it at the end."""
+        heartbeat = self._runtime.heartbeat
+        chunk = _seconds(self._w.timeouts.soft_timeout) / 4
+        while not outcome.done.wait(chunk):
+            heartbeat.stamp_auto()
 
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
