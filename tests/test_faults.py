@@ -590,7 +590,10 @@ def test_a_phase_fault_fires_on_entering_its_phase_once(monkeypatch: pytest.Monk
     for phase, rank, iteration in [("FINALIZING", 1, 1), ("FINALIZING", 0, 2), ("HEALTH_CHECK", 1, 2),
                                    ("RESTART_BARRIER", 1, 2), ("DONE", 1, 2), ("reassignment", 1, 2)]:
         faults.enter_phase(phase, rank, 4, iteration, Mode.ACTIVE)  # nothing due there
-    faults.enter_phase("FINALIZING", 1, 4, 2, Mode.INACTIVE)  # a spare runs no training code: skipped
+    monkeypatch.setenv(faults.ENV_VAR, "exception@rank=1,phase=finalize,iteration=2;exception@rank=1,phase=initialize")
+    faults.enter_phase("RUNNING", 1, 4, 0, Mode.INACTIVE)  # a spare initializes nothing: skipped
+    with pytest.raises(InjectedException, match="entering phase initialize"):
+        faults.enter_phase("RUNNING", 1, 4, 0, Mode.ACTIVE)
     with pytest.raises(InjectedException, match="initial rank 1, iteration 2, entering phase finalize"):
         faults.enter_phase("FINALIZING", 1, 4, 2, Mode.ACTIVE)
     faults.enter_phase("FINALIZING", 1, 4, 2, Mode.ACTIVE)  # once per process and iteration

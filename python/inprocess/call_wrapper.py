@@ -33,7 +33,7 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
-from .engine.leave import Leave, LeaveJob
+from .engine.leave import Leave, LeaveJob, count_out_before_joining
 from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
 from .engine.trigger import IterationOutcome
@@ -192,10 +192,8 @@ class CallWrapper:
         except LeaveJob as leaving:
             self._leave_job(leaving)
         except BaseException as e:
-            # Raised in the engine's own code or waits, outside the function: a
-            # KeyboardInterrupt while a spare waits or at a barrier, a failure of
-            # the machinery. The rule for "anywhere": this rank leaves, counted
-            # out, so that nobody waits for it.
+            # Outside the function (a KeyboardInterrupt while a spare waits or at a barrier):
+            # the rule for "anywhere", this rank leaves, counted out so that nobody waits for it.
             self._leave_job(LeaveJob(e, Leave.TERMINATED))
 
     def _join(self) -> None:
@@ -287,12 +285,8 @@ class CallWrapper:
         return outcome.event == COMPLETE, None
 
     def _wait_stamping_progress(self, outcome: IterationOutcome) -> None:
-        """A spare blocks on the trigger's event (the event wakes it at once),
-        stamping progress every quarter of ``soft_timeout`` while it waits: a
-        spare that is frozen (SIGSTOP) or stuck holding the GIL stops stamping,
-        and its monitor kills it at ``hard_timeout`` as it would an active rank.
-        Without the stamps nothing would ever end such a spare, and its node's
-        job would wait for it at the end."""
+        """A spare waits for the trigger's event, stamping progress every soft_timeout/4: one
+        frozen (SIGSTOP) or holding the GIL stops stamping, and its monitor kills it at hard_timeout."""
         heartbeat = self._runtime.heartbeat
         chunk = _seconds(self._w.timeouts.soft_timeout) / 4
         while not outcome.done.wait(chunk):
@@ -474,10 +468,13 @@ class CallWrapper:
                     type(exc).__name__, exc)
         self._emit("exit", outcome="terminated", reason=leaving.reason.value, iteration=s.iteration,
                    type=type(exc).__name__, message=str(exc)[:300])
-        if not leaving.reason.counted_already and self._membership is not None:
+        if not leaving.reason.counted_already:
             try:
-                p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
-                self._arrive_terminated(p, s.iteration)
+                if self._membership is None:
+                    count_out_before_joining(p, s, leaving.reason.value, exc, self._w.timeouts.barrier_wait_s)
+                else:
+                    p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
+                    self._arrive_terminated(p, s.iteration)
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+from typing import Optional
+
+from ..control.protocol import FaultRecord, RestartProtocol
+from ..state import Mode, State
 
 
 class Leave(enum.Enum):
@@ -31,3 +35,20 @@ class LeaveJob(Exception):
         super().__init__(reason.value)
         self.exc = exc
         self.reason = reason
+
+
+def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseException, timeout: float) -> None:
+    """A rank leaving before it applied the initial barrier's decision is counted
+    out where its seat says, as its monitor counts out a rank that died there
+    (barrier 0 if it had not arrived), so that nobody waits for it."""
+
+    def expected_at(barrier: int) -> Optional[int]:
+        if barrier == 0:
+            return s.initial_world_size
+        decision = p.wait_decision(barrier - 1, timeout)
+        if decision.abort is not None or decision.membership.mode[s.initial_rank] == Mode.TERMINATED:
+            return None
+        return decision.membership.world_size
+
+    p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc), expected_at,
+                timeout=timeout, who=f"r{s.initial_rank}")

@@ -35,9 +35,12 @@ _due: dict[tuple[FaultPlan, int, int, int, bool], dict[str, list[ScheduledFault]
 def enter_phase(phase: str, initial_rank: int, initial_world_size: int, iteration: int, mode: Mode) -> None:
     """The rank enters ``phase`` (a key of :data:`WRAPPER_PHASES` or of ``PHASES``): fire what is due there.
 
-    ``mode`` is the rank's mode: a spare (``Mode.INACTIVE``) runs no training
-    code, so the faults that act in the training code's thread (exception,
-    hang) are not injected into its waits, as for timed faults.
+    ``mode`` is the rank's mode: a spare (``Mode.INACTIVE``) initializes no
+    iteration, so the faults that act in the training code's thread
+    (exception, hang) are not injected into its ``initialize`` phase (its
+    wait), as timed faults are not. Every other phase runs the wrapper's own
+    code in the main thread, whatever the mode (at ``entry`` no rank has one
+    yet).
     """
     if os.environ.get(ENV_VAR) is None:
         return
@@ -47,15 +50,15 @@ def enter_phase(phase: str, initial_rank: int, initial_world_size: int, iteratio
     plan = plan_from_environment()
     if plan is None:
         return
-    active = mode == Mode.ACTIVE
-    key = (plan, initial_rank, initial_world_size, iteration, active)
+    spare = mode == Mode.INACTIVE
+    key = (plan, initial_rank, initial_world_size, iteration, spare)
     due = _due.get(key)
     if due is None:
         due = {}
         for f in plan.schedule(initial_rank, initial_world_size, iteration):
             if f.spec.phase is None:
                 continue
-            if not active and f.spec.kind in MAIN_THREAD_KINDS:
+            if spare and f.spec.phase == "initialize" and f.spec.kind in MAIN_THREAD_KINDS:
                 log.info("initial rank %d is a spare: %s not injected (no training code runs)", initial_rank, f.spec)
                 continue
             due.setdefault(f.spec.phase, []).append(f)
