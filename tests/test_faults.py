@@ -58,6 +58,8 @@ ROUND_TRIPS = [
     ("sigint@rank=0,step=1;sigstop@rank=1,step=2;seed=0", "sigint@rank=0,step=1;sigstop@rank=1,step=2"),
     ("gpu_error@rank=0,step=3;gpu_sleep@rank=1,after=2s,for=10s",
      "gpu_error@rank=0,step=3;gpu_sleep@rank=1,after=2s,for=10s"),
+    ("sigkill@rank=*,phase=Reassignment;hang@rank=1,phase=finalize,iteration=2,for=1s",
+     "sigkill@rank=*,phase=reassignment;hang@rank=1,phase=finalize,iteration=2,for=1s"),
 ]
 
 
@@ -138,6 +140,10 @@ MALFORMED = [
     ("sigkill@rank=1;step=1", "entry 1 'sigkill@rank=1'"),
     ("sigkill@rank=1 step=1", "'1 step=1'"),
     ("sigkill@rank=1,step=1\x00", "'1\\x00'"),
+    ("sigkill@rank=1,phase=lunch", "'lunch'"),
+    ("sigkill@rank=1,phase=", "'phase='"),
+    ("sigkill@rank=1,phase=abort,step=2", "exactly one of step"),
+    ("sigkill@rank=1,phase=abort,phase=finalize", "'phase=finalize'"),
 ]
 
 
@@ -164,6 +170,7 @@ def test_the_environment_variable_blank_or_unset_means_no_plan() -> None:
     (lambda: FaultSpec(Kind.SIGKILL, Ranks(listed=(1,)), step=(1, 1), iterations=()), "distinct iterations"),
     (lambda: FaultSpec(Kind.HANG, Ranks(listed=(1,)), step=(1, 1), for_ms=0), "for=0"),
     (lambda: FaultSpec(Kind.OS_EXIT, Ranks(listed=(1,)), step=(1, 1), code=True), "code=True"),
+    (lambda: FaultSpec(Kind.SIGKILL, Ranks(listed=(1,)), phase="lunch"), "phase='lunch'"),
     (lambda: Ranks(), "exactly one of"),
     (lambda: Ranks(listed=(2, 1)), "increasing order"),
     (lambda: Ranks(listed=(1,), every=True), "exactly one of"),
@@ -181,7 +188,8 @@ _steps = st.integers(0, 10**15)
 _specs = st.builds(
     lambda kind, ranks, when, iterations, extra: FaultSpec(
         kind, ranks, step=when[1] if when[0] == "step" else None,
-        after_ms=when[1] if when[0] == "after" else None, iterations=iterations,
+        after_ms=when[1] if when[0] == "after" else None, phase=when[1] if when[0] == "phase" else None,
+        iterations=iterations,
         code=extra if kind is Kind.OS_EXIT else None,
         for_ms=(extra + 1) if kind in (Kind.HANG, Kind.GIL_HANG, Kind.GPU_SLEEP) and extra % 2 else None),
     st.sampled_from(list(Kind)),
@@ -191,6 +199,7 @@ _specs = st.builds(
         st.builds(lambda k: Ranks(random=k), st.integers(1, 64)),
     ),
     st.one_of(
+        st.tuples(st.just("phase"), st.sampled_from(sorted(faults.PHASES))),
         st.tuples(st.just("step"), st.tuples(_steps, _steps).map(lambda p: tuple(sorted(p)))),
         st.tuples(st.just("after"), st.tuples(_durations, _durations).map(lambda p: tuple(sorted(p)))),
     ),
@@ -208,7 +217,8 @@ def test_any_plan_prints_and_parses_back_equal(plan: FaultPlan) -> None:
 
 
 _TOKENS = ["sigkill", "exception", "hang", "gil_hang", "os_exit", "seed", "rank", "step", "after", "iteration",
-           "code", "for", "random", "random:", "@", "=", ",", ";", "|", "..", "*", "0", "1", "7", "99", "1.5",
+           "code", "for", "phase", "abort", "barrier", "random", "random:", "@", "=", ",", ";", "|", "..", "*",
+           "0", "1", "7", "99", "1.5",
            "s", "ms", "m", "h", " ", "-", "+", ".", ":", "\x00", "é", "٣", "e3"]
 
 
@@ -575,6 +585,28 @@ def test_a_spare_skips_the_faults_that_need_training_code() -> None:
     plan = FaultPlan.parse("exception@rank=1,step=1;hang@rank=1,after=1s;sigkill@rank=1,after=1h")
     with faults.arm(plan, 1, 2, 0, active=False) as armed:
         assert [f.spec.kind for f in armed.scheduled] == [Kind.SIGKILL]
+
+
+def test_a_phase_fault_fires_on_entering_its_phase_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(faults.ENV_VAR, "exception@rank=1,phase=finalize,iteration=2;sigkill@rank=3,phase=barrier")
+    for phase, rank, iteration in [("FINALIZING", 1, 1), ("FINALIZING", 0, 2), ("HEALTH_CHECK", 1, 2),
+                                   ("RESTART_BARRIER", 1, 2), ("DONE", 1, 2), ("reassignment", 1, 2)]:
+        faults.enter_phase(phase, rank, 4, iteration, Mode.ACTIVE)  # nothing due there
+    monkeypatch.setenv(faults.ENV_VAR, "exception@rank=1,phase=finalize,iteration=2;exception@rank=1,phase=initialize")
+    faults.enter_phase("RUNNING", 1, 4, 0, Mode.INACTIVE)  # a spare initializes nothing: skipped
+    with pytest.raises(InjectedException, match="entering phase initialize"):
+        faults.enter_phase("RUNNING", 1, 4, 0, Mode.ACTIVE)
+    with pytest.raises(InjectedException, match="initial rank 1, iteration 2, entering phase finalize"):
+        faults.enter_phase("FINALIZING", 1, 4, 2, Mode.ACTIVE)
+    faults.enter_phase("FINALIZING", 1, 4, 2, Mode.ACTIVE)  # once per process and iteration
+
+
+def test_phase_names_match_the_wrappers_phases() -> None:
+    from inprocess import _native
+    from inprocess.faults import phases
+
+    assert set(phases.WRAPPER_PHASES) <= set(_native.Phase.__members__)
+    assert set(phases.WRAPPER_PHASES.values()) | {"reassignment"} == set(faults.PHASES)
 
 
 def test_a_timed_hang_armed_outside_the_main_thread_is_refused() -> None:

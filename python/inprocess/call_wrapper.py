@@ -32,9 +32,10 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
-from .engine.leave import Leave, LeaveJob, drop_frames
+from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
 from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
+from .engine.soft_timeout import report_soft_timeout
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
 from .exception import (
@@ -190,6 +191,10 @@ class CallWrapper:
                 self._restart(outcome)
         except LeaveJob as leaving:
             self._leave_job(leaving)
+        except BaseException as e:
+            # Outside the function (a KeyboardInterrupt while a spare waits or at a barrier):
+            # the rule for "anywhere", this rank leaves, counted out so that nobody waits for it.
+            self._leave_job(LeaveJob(e, Leave.TERMINATED))
 
     def _join(self) -> None:
         s = self.state
@@ -274,11 +279,18 @@ class CallWrapper:
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
-        # A spare blocks on the trigger's event: no CPU burnt while it waits.
-        with faults.arm_from_environment(self.state.freeze()):
-            outcome.done.wait()
+        with faults.arm_from_environment(self.state.freeze()), self._hang_protection():
+            self._wait_stamping_progress(outcome)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, None
+
+    def _wait_stamping_progress(self, outcome: IterationOutcome) -> None:
+        """A spare waits for the trigger's event, stamping progress every soft_timeout/4: one
+        frozen (SIGSTOP) or holding the GIL stops stamping, and its monitor kills it at hard_timeout."""
+        heartbeat = self._runtime.heartbeat
+        chunk = _seconds(self._w.timeouts.soft_timeout) / 4
+        while not outcome.done.wait(chunk):
+            heartbeat.stamp_auto()
 
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
@@ -459,10 +471,13 @@ class CallWrapper:
                     type(exc).__name__, exc)
         self._emit("exit", outcome="terminated", reason=leaving.reason.value, iteration=s.iteration,
                    type=type(exc).__name__, message=str(exc)[:300])
-        if not leaving.reason.counted_already and self._membership is not None:
+        if not leaving.reason.counted_already:
             try:
-                p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
-                self._arrive_terminated(p, s.iteration)
+                if self._membership is None:
+                    count_out_before_joining(p, s, leaving.reason.value, exc, self._w.timeouts.barrier_wait_s)
+                else:
+                    p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
+                    self._arrive_terminated(p, s.iteration)
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.
@@ -551,26 +566,11 @@ class CallWrapper:
 
     def _report_soft_timeout(self, event: Any) -> None:
         """No progress for soft_timeout restarts the whole job."""
-        s = self.state
-        rt = self._rt
-        if rt is None or event.iteration != s.iteration or s.mode != Mode.ACTIVE:
-            return
-        if rt.interrupter.fired:
-            # A restart is already under way and this rank has not come back from
-            # it: the abort's release path (then exit code 75) owns the case.
-            return
-        since = (event.detected_ns - event.last_progress_ns) / 1e9
-        clock = "manual (ping)" if event.manual else "automatic"
-        e = TimeoutError(f"no {clock} progress for {since:.1f}s (soft_timeout="
-                         f"{_seconds(self._w.timeouts.soft_timeout):g}s)")
-        log.warning("rank %d: soft timeout in iteration %d: %s", s.initial_rank, s.iteration, e)
-        try:
-            record = FaultRecord.from_exception(s.initial_rank, s.iteration, "soft_timeout", e)
-            rt.protocol.report_fault(record)
-            self._emit("fault", record.t_ns, iteration=s.iteration, fault="soft_timeout", type=record.type,
-                       message=record.message)
-        except Exception as err:  # the store is gone: the hard timeout is the next line of defence
-            log.error("rank %d could not report its soft timeout: %s", s.initial_rank, err)
+        rt, s = self._rt, self.state
+        # Not this iteration's, not running, or already restarting (the abort's release path, then exit
+        # code 75, owns a rank that has not come back from a restart).
+        if rt is not None and event.iteration == s.iteration and s.mode == Mode.ACTIVE and not rt.interrupter.fired:
+            report_soft_timeout(rt.protocol, s, event, _seconds(self._w.timeouts.soft_timeout), self._emit)
 
     @contextlib.contextmanager
     def _hang_protection(self) -> Iterator[None]:
@@ -588,6 +588,8 @@ class CallWrapper:
         if self._rt is not None:
             self._rt.heartbeat.set_phase(phase)
             self._emit("phase", phase=phase.name, iteration=self.state.iteration)
+        s = self.state  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
+        faults.enter_phase(phase.name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
 
     def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
         events = self._rt.events if self._rt is not None else None

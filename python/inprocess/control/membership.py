@@ -164,13 +164,25 @@ class Membership:
         return runs
 
     @classmethod
-    def decode(cls, runs: list[list[int]], initial_world_size: int) -> "Membership":
+    def decode(cls, runs: object, initial_world_size: int) -> "Membership":
+        """Strict: runs as :meth:`encode` writes them (InternalError naming the first wrong one)."""
         mode: list[int] = []
         rank: list[int] = []
         act: list[int] = []
-        for start, length, m, rk, ar in runs:
-            if start != len(mode) or length <= 0:
-                raise InternalError(f"membership run {[start, length, m, rk, ar]} does not continue at {len(mode)}")
+        if not isinstance(runs, list):
+            raise InternalError(f"membership runs {runs!r:.80}: expected a list")
+        modes = {int(m) for m in Mode}
+        for run in runs:
+            if (not isinstance(run, list) or len(run) != 5
+                    or not all(type(v) is int for v in run)):  # not bool, float or str
+                raise InternalError(f"membership run {run!r:.80}: expected 5 integers")
+            start, length, m, rk, ar = run
+            if start != len(mode) or length <= 0 or start + length > initial_world_size:
+                raise InternalError(f"membership run {run} does not continue at {len(mode)} "
+                                    f"within {initial_world_size} ranks")
+            if m not in modes or (rk != NONE and not 0 <= rk <= initial_world_size - length) or (
+                    ar != NONE and not 0 <= ar <= initial_world_size - length):
+                raise InternalError(f"membership run {run}: mode or rank out of range")
             mode.extend([m] * length)
             rank.extend(range(rk, rk + length) if rk != NONE else [NONE] * length)
             act.extend(range(ar, ar + length) if ar != NONE else [NONE] * length)

@@ -22,6 +22,47 @@ MAX_MESSAGE = 300
 HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningful
 
 
+MAX_JSON_BYTES = 1 << 24  # a decision of MAX_FAULTS_IN_DECISION records is a few kB
+MAX_WORLD_SIZE = 1 << 22  # initial ranks a decision may describe (the simulator goes to 16,384)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number the protocol writes")
+
+
+def loads_strict(raw: "bytes | str") -> Any:
+    """JSON as the protocol writes it: no NaN/Infinity, bounded size and depth
+    (a deeply nested document is a ValueError, not a RecursionError)."""
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"{len(raw)} bytes: more than any record the protocol writes")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply for a record the protocol writes") from None
+
+
+def field_int(d: dict[str, Any], name: str, low: int = _INT64[0], high: int = _INT64[1]) -> int:
+    """``d[name]``, a JSON integer (not a bool, float or string) in low..high."""
+    value = d[name]
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name}={value!r:.80}: expected an integer in {low}..{high}")
+    return value
+
+
+def field_str(d: dict[str, Any], name: str, default: Optional[str] = None) -> str:
+    value = d.get(name, default) if default is not None else d[name]
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r:.80}: expected a string")
+    return value
+
+
+def _fields(d: object, what: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultRecord:
     """What one rank reports about a fault it saw (plain data, no pickle)."""
@@ -43,9 +84,12 @@ class FaultRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FaultRecord":
+        """Strict: each field of the type the protocol writes (ValueError/KeyError otherwise).
+        A rank of -1 is a record nobody could attribute (an unreadable line)."""
+        d = _fields(d, "fault record")
         return cls(
-            int(d["rank"]), int(d["iteration"]), str(d["kind"]), str(d["type"]),
-            str(d["message"]), str(d.get("host", "")), int(d.get("t_ns", 0)),
+            field_int(d, "rank", -1), field_int(d, "iteration", 0), field_str(d, "kind"), field_str(d, "type"),
+            field_str(d, "message"), field_str(d, "host", ""), field_int(d, "t_ns", 0) if "t_ns" in d else 0,
         )
 
     @classmethod
@@ -56,7 +100,7 @@ class FaultRecord:
         for line in raw.splitlines():
             if line:
                 try:
-                    out.append(cls.from_dict(json.loads(line)))
+                    out.append(cls.from_dict(loads_strict(line)))
                 except (ValueError, KeyError, TypeError):
                     out.append(cls(-1, iteration, "unreadable", "InternalError", line[:MAX_MESSAGE]))
         return out
@@ -99,20 +143,26 @@ class Decision:
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
         try:
-            d = json.loads(raw)
+            d = _fields(loads_strict(raw), "decision")
+            n = field_int(d, "n", 0, MAX_WORLD_SIZE)
+            terminated, faults, abort = d["terminated"], d["faults"], d["abort"]
+            if not isinstance(terminated, list) or not isinstance(faults, list):
+                raise ValueError("terminated and faults: expected lists")
+            if abort is not None and not isinstance(abort, str):
+                raise ValueError(f"abort={abort!r:.80}: expected null or a string")
             return cls(
-                iteration=int(d["i"]),
-                membership=Membership.decode(d["runs"], int(d["n"])),
-                terminated=[int(r) for r in d["terminated"]],
-                faults=[FaultRecord.from_dict(f) for f in d["faults"]],
-                n_faults=int(d["n_faults"]),
-                leader=int(d["leader"]),
-                abort=d["abort"],
-                t_ns=int(d["t_ns"]),
-                host=str(d["host"]),
-                assignment_ns=int(d.get("assignment_ns", 0)),
+                iteration=field_int(d, "i", 0),
+                membership=Membership.decode(d["runs"], n),
+                terminated=[field_int({"terminated": r}, "terminated", 0, n - 1) for r in terminated],
+                faults=[FaultRecord.from_dict(f) for f in faults],
+                n_faults=field_int(d, "n_faults", 0),
+                leader=field_int(d, "leader", 0, max(n - 1, 0)),
+                abort=abort,
+                t_ns=field_int(d, "t_ns"),
+                host=field_str(d, "host"),
+                assignment_ns=field_int(d, "assignment_ns", 0) if "assignment_ns" in d else 0,
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, InternalError) as e:
             raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e
 
 

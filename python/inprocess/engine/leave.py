@@ -6,6 +6,9 @@ import enum
 import traceback
 from typing import Optional
 
+from ..control.protocol import FaultRecord, RestartProtocol
+from ..state import Mode, State
+
 
 class Leave(enum.Enum):
     """Why a rank leaves the job. The value is the fault kind the store records."""
@@ -46,3 +49,20 @@ def drop_frames(exc: BaseException) -> None:
             traceback.clear_frames(e.__traceback__)
             e.__traceback__ = None
         e = e.__cause__ or e.__context__
+
+
+def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseException, timeout: float) -> None:
+    """A rank leaving before it applied the initial barrier's decision is counted
+    out where its seat says, as its monitor counts out a rank that died there
+    (barrier 0 if it had not arrived), so that nobody waits for it."""
+
+    def expected_at(barrier: int) -> Optional[int]:
+        if barrier == 0:
+            return s.initial_world_size
+        decision = p.wait_decision(barrier - 1, timeout)
+        if decision.abort is not None or decision.membership.mode[s.initial_rank] == Mode.TERMINATED:
+            return None
+        return decision.membership.world_size
+
+    p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc), expected_at,
+                timeout=timeout, who=f"r{s.initial_rank}")

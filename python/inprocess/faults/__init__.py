@@ -17,7 +17,10 @@ Two ways in:
   the variable unset it costs one environment lookup);
 * ``arm_from_environment(state)`` at the start of an iteration starts a
   timer for the timed faults; leave its ``with`` block (or call ``disarm()``)
-  when the iteration ends.
+  when the iteration ends;
+* ``enter_phase(...)``, called by the wrapper at each phase change, fires the
+  ``phase=NAME`` faults (a fault during the entry, or a restart's abort,
+  finalize, health check, barrier or reassignment).
 
 GPU faults (``gpu_error``, ``gpu_sleep``) need a CUDA device and raise
 :class:`FaultUnavailable` on a rank they are due on without one.
@@ -33,7 +36,8 @@ from .arming import (
     maybe_inject,
     plan_from_environment,
 )
-from .plan import FaultPlan, FaultSpec, Kind, Ranks, ScheduledFault
+from .phases import enter_phase
+from .plan import PHASES, FaultPlan, FaultSpec, Kind, Ranks, ScheduledFault
 
 __all__ = [
     "DELIVERY_SIGNAL",
@@ -42,12 +46,14 @@ __all__ = [
     "FaultPlan",
     "FaultSpec",
     "FaultUnavailable",
+    "PHASES",
     "InjectedException",
     "Kind",
     "Ranks",
     "ScheduledFault",
     "arm",
     "arm_from_environment",
+    "enter_phase",
     "maybe_inject",
     "perform",
     "plan_from_environment",

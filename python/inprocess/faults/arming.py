@@ -255,7 +255,12 @@ def fire(
     token = object()
     if _fired.setdefault((plan_key, f.index, f.iteration), token) is not token:
         return
-    when = f"step {f.step}" if f.step is not None else f"{f.delay_s:g}s after arming"
+    if f.step is not None:
+        when = f"step {f.step}"
+    elif f.delay_s is not None:
+        when = f"{f.delay_s:g}s after arming"
+    else:
+        when = f"entering phase {f.spec.phase}"
     message = f"injected fault: {f.spec.kind.value} on initial rank {rank}, iteration {f.iteration}, {when}"
     log.warning("%s (entry %d: %s)", message, f.index + 1, f.spec)
     for handler in logging.getLogger().handlers + log.handlers:

@@ -4,16 +4,21 @@ The compact text form (what ``INPROCESS_FAULTS`` holds)::
 
     plan     := entry (";" entry)*
     entry    := "seed=" INT  |  KIND "@" field ("," field)*
-    field    := "rank=" RANKS | "step=" STEPS | "after=" DELAY | "iteration=" ITERATIONS
+    field    := "rank=" RANKS | "step=" STEPS | "after=" DELAY | "phase=" PHASE | "iteration=" ITERATIONS
               | "code=" INT          (os_exit only: the exit status, 0..255; default 1)
               | "for=" DURATION      (hang, gil_hang, gpu_sleep: how long; default until killed)
     RANKS    := INT ("|" INT)*  |  "*"  |  "random"  |  "random:" INT
     STEPS    := INT  |  INT ".." INT
     DELAY    := DURATION  |  DURATION ".." DURATION
     ITERATIONS := INT ("|" INT)*  |  "*"          (default 0: the first iteration only)
+    PHASE    := "entry" | "initialize" | "abort" | "finalize" | "health_check" | "barrier" | "reassignment"
     DURATION := DIGITS ["." DIGITS] ("ms" | "s" | "m" | "h")
 
-``rank`` and either ``step`` or ``after`` are required. Ranks are *initial*
+``rank`` and exactly one of ``step``, ``after`` or ``phase`` are required.
+A ``phase`` fault fires when the rank enters that phase of the wrapper
+(:data:`PHASES` says when each one is), in the thread that enters it; its
+iteration is the rank's iteration at that moment (a restart's phases carry
+the number of the iteration that failed). Ranks are *initial*
 ranks (``RANK`` at launch), which a restart never renumbers. A range
 (``step=10..20``, ``after=1s..5s``) and ``rank=random[:K]`` are drawn from the
 plan's seed (``seed=N``, default 0), so every rank computes the same choice.
@@ -64,6 +69,17 @@ class Kind(str, enum.Enum):
 MAIN_THREAD_KINDS = frozenset({Kind.EXCEPTION, Kind.HANG})
 GPU_KINDS = frozenset({Kind.GPU_ERROR, Kind.GPU_SLEEP})
 KINDS_WITH_DURATION = frozenset({Kind.HANG, Kind.GIL_HANG, Kind.GPU_SLEEP})
+
+# The wrapper's phases a fault may name (phase=NAME), and when a rank enters each.
+PHASES = {
+    "entry": "the wrapped call starts, before the initial barrier (iteration 0)",
+    "initialize": "an iteration starts, before the initialize hook and the health check before it",
+    "abort": "the main thread is back from the interrupted iteration; the abort runs meanwhile",
+    "finalize": "the restart's finalize hook is about to run",
+    "health_check": "the restart's health check is about to run",
+    "barrier": "the rank arrives at the restart barrier",
+    "reassignment": "the barrier's leader (only) computes the decision, before the rank assignment runs",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +148,7 @@ class FaultSpec:
     iterations: Optional[tuple[int, ...]] = (0,)  # None: every iteration
     code: Optional[int] = None
     for_ms: Optional[int] = None
+    phase: Optional[str] = None  # one of PHASES
 
     def __post_init__(self) -> None:
         kind: object = self.kind
@@ -140,8 +157,11 @@ class FaultSpec:
         ranks: object = self.ranks
         if not isinstance(ranks, Ranks):
             raise ValueError(f"ranks {ranks!r}: expected an inprocess.faults.Ranks")
-        if (self.step is None) == (self.after_ms is None):
-            raise ValueError(f"{self.kind.value}: expected exactly one of step=N or after=DURATION (when to inject it)")
+        if (self.step is not None) + (self.after_ms is not None) + (self.phase is not None) != 1:
+            raise ValueError(
+                f"{self.kind.value}: expected exactly one of step=N, after=DURATION or phase=NAME (when to inject it)")
+        if self.phase is not None and self.phase not in PHASES:
+            raise ValueError(f"phase={self.phase!r}: expected one of {', '.join(PHASES)}")
         if self.step is not None:
             _check_range("step", self.step, MAX_STEP)
         if self.after_ms is not None:
@@ -176,6 +196,8 @@ class FaultSpec:
         if self.after_ms is not None:
             lo, hi = self.after_ms
             fields.append(f"after={format_duration(lo)}" + ("" if lo == hi else f"..{format_duration(hi)}"))
+        if self.phase is not None:
+            fields.append(f"phase={self.phase}")
         if self.iterations is None:
             fields.append("iteration=*")
         elif self.iterations != (0,):
@@ -189,7 +211,8 @@ class FaultSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledFault:
-    """A fault due on this rank in this iteration: at ``step`` (``maybe_inject``) or ``delay_s`` after arming."""
+    """A fault due on this rank in this iteration: at ``step`` (``maybe_inject``), ``delay_s`` after
+    arming, or on entering ``spec.phase`` (``enter_phase``)."""
 
     index: int  # the entry's position in the plan
     spec: FaultSpec
@@ -251,7 +274,7 @@ class FaultPlan:
 _INT = re.compile(r"[0-9]{1,20}")
 _DURATION = re.compile(r"([0-9]{1,12})(?:\.([0-9]{1,9}))?(ms|s|m|h)")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
-_FIELDS = ("rank", "step", "after", "iteration", "code", "for")
+_FIELDS = ("rank", "step", "after", "phase", "iteration", "code", "for")
 
 
 class _BadPart(ValueError):
@@ -330,6 +353,13 @@ def _ranks(text: str) -> Ranks:
     return Ranks(listed=_listed(text, "rank", MAX_RANK))
 
 
+def _phase(text: str) -> str:
+    name = text.lower()
+    if name not in PHASES:
+        raise _BadPart(text, f"phase: expected one of {', '.join(PHASES)}")
+    return name
+
+
 def _parse_fields(fields_text: str) -> dict[str, str]:
     fields: dict[str, str] = {}
     for raw in fields_text.split(","):
@@ -356,13 +386,14 @@ def _parse_spec(entry: str) -> FaultSpec:
     except ValueError:
         raise _BadPart(kind_text, f"unknown fault kind; expected one of {', '.join(k.value for k in Kind)}") from None
     if not at:
-        raise _BadPart(entry, f"expected {kind.value}@rank=...,step=N (or after=DURATION)")
+        raise _BadPart(entry, f"expected {kind.value}@rank=...,step=N (or after=DURATION, or phase=NAME)")
     fields = _parse_fields(fields_text)
     try:
         # Each value first, so that a malformed one is named rather than reported missing.
         ranks = _ranks(fields["rank"]) if "rank" in fields else None
         step = _range(fields["step"], "step", lambda t, n: _int(t, n, MAX_STEP)) if "step" in fields else None
         after_ms = _range(fields["after"], "after", _duration_ms) if "after" in fields else None
+        phase = _phase(fields["phase"]) if "phase" in fields else None
         iterations: Optional[tuple[int, ...]] = (0,)
         if "iteration" in fields:
             text = fields["iteration"]
@@ -371,9 +402,10 @@ def _parse_spec(entry: str) -> FaultSpec:
         for_ms = _positive_duration_ms(fields["for"], "for") if "for" in fields else None
         if ranks is None:
             raise _BadPart(entry, "rank=... is missing (which initial ranks: 2, 1|3, *, random or random:K)")
-        if (step is None) == (after_ms is None):
-            raise _BadPart(entry, "expected exactly one of step=N or after=DURATION (when to inject)")
-        return FaultSpec(kind, ranks, step=step, after_ms=after_ms, iterations=iterations, code=code, for_ms=for_ms)
+        if (step is not None) + (after_ms is not None) + (phase is not None) != 1:
+            raise _BadPart(entry, "expected exactly one of step=N, after=DURATION or phase=NAME (when to inject)")
+        return FaultSpec(kind, ranks, step=step, after_ms=after_ms, iterations=iterations, code=code, for_ms=for_ms,
+                         phase=phase)
     except _BadPart:
         raise
     except ValueError as e:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..compose import leaves
 from ..control.membership import NONE, TERMINATED, Membership
@@ -185,6 +185,7 @@ def decide(
     *,
     hook_iteration: Optional[int] = None,
     failures: Optional[list[BaseException]] = None,
+    before_assignment: Optional[Callable[[], None]] = None,
 ) -> Decision:
     """The leader's one decision for the whole job.
 
@@ -196,12 +197,15 @@ def decide(
     every rank (``abort``), with the error in its message. The exception of
     a failing hook (not the consistency checks' own) is appended to
     ``failures``: the leader leaves with it, as the caller of a per-rank hook
-    would.
+    would. ``before_assignment``
+    runs first, inside that rule (the fault injector's ``phase=reassignment``).
     """
     start = time.monotonic_ns()
     abort = None
     topology = topology if topology is not None else Topology.empty()
     try:
+        if before_assignment is not None:
+            before_assignment()
         _abort_on_mismatch(faults)
         if uses_per_rank_hooks(rank_assignment):
             seen = max(iteration - 1, 0) if hook_iteration is None else hook_iteration

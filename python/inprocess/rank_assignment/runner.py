@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from .. import faults
 from ..control.membership import Membership
 from ..control.protocol import Decision, FaultRecord
 from ..state import FrozenState, State
@@ -53,7 +54,7 @@ class AssignmentRunner:
         self,
         previous: Optional[Membership],
         dead: set[int],
-        faults: list[FaultRecord],
+        records: list[FaultRecord],
         leader: int,
         *,
         state: State,
@@ -62,9 +63,13 @@ class AssignmentRunner:
         """The decision of the barrier that follows the leader's current iteration (``state``)."""
         iteration = 0 if previous is None else state.iteration + 1
         table = initial_membership(state.initial_world_size) if previous is None else previous
+        def enter_reassignment() -> None:  # INPROCESS_FAULTS: phase=reassignment, on the leader only
+            faults.enter_phase("reassignment", state.initial_rank, state.initial_world_size, state.iteration,
+                               state.mode)
+
         return decide(
-            self.rank_assignment, table, dead, faults, iteration, leader, self.topology(read_topology),
-            hook_iteration=state.iteration, failures=self._failures,
+            self.rank_assignment, table, dead, records, iteration, leader, self.topology(read_topology),
+            hook_iteration=state.iteration, failures=self._failures, before_assignment=enter_reassignment,
         )
 
     def take_failure(self) -> Optional[BaseException]:

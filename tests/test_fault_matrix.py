@@ -1,0 +1,309 @@
+"""The fault matrix: every kind of inprocess.faults, injected from INPROCESS_FAULTS alone into a real
+gloo job (tests/workers/matrix_worker.py: soft 2 s, hard 4 s, grace 1 s, heartbeat 1 s / 5 s,
+barrier 15 s), on a spare, a normal rank and rank 0, during the entry and each restart phase, on
+several ranks at once, during a restart, and from a "scheduler" signalling every rank.
+
+Each case asserts the outcome the README documents (who survives, with which world size and
+iteration, each rank's exit status, what the restart recorded) and that nothing is left: no
+process of the job (process groups), no /dev/shm entry, and on every surviving rank the threads
+and descriptors it had before the call (tests/conftest.run_job checks the first two).
+
+One job hosts several sequential faults where the outcome allows it. With MATRIX_REPORT=FILE
+each job appends a JSON line (case, time to resume per restart) for benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import time
+from typing import Any, Optional
+
+import pytest
+
+from conftest import WORKERS, JobResult, leftover_processes, run_job
+from inprocess.launch import LocalJob
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+# What each fault kind does to the rank it hits, as the README documents it: (exit status, the
+# fault kind the restart records) for a rank that leaves; None for a rank that survives.
+LEAVES: dict[str, Optional[tuple[int, str]]] = {
+    "exception": None,  # a fault of this rank: every rank restarts, nobody leaves
+    "hang": None,  # GIL released: soft timeout, the job restarts, the hung rank is interrupted and continues
+    "gil_hang": (-signal.SIGTERM, "hard_timeout"),  # its monitor: SIGCONT + SIGTERM at hard_timeout
+    "sigstop": (-signal.SIGTERM, "hard_timeout"),
+    "sigkill": (-signal.SIGKILL, "killed"),
+    "sigterm": (-signal.SIGTERM, "killed"),  # no handler: the default action, seen by the monitor's pidfd
+    "sigint": (-signal.SIGINT, "terminated"),  # KeyboardInterrupt: a BaseException terminates the rank
+    "os_exit": (1, "exited"),
+    "abort": (-signal.SIGABRT, "killed"),
+    "segfault": (-signal.SIGSEGV, "killed"),
+}
+SLOW_KINDS = {"gil_hang", "sigstop"}  # detected at hard_timeout + grace: seconds per fault
+
+
+def kinds(slow: set[str]) -> list[Any]:
+    return [pytest.param(k, marks=pytest.mark.slow) if k in slow else k for k in LEAVES]
+
+
+def run_matrix(tmp_path: pathlib.Path, plan: str, world_size: int = 4, timeout: float = 100,
+               **env: str) -> JobResult:
+    job_env = {"INPROCESS_FAULTS": plan, "INPROCESS_TEST_LOG": "WARNING"}
+    job_env.update(env)
+    res = run_job(tmp_path, {}, world_size=world_size, worker="matrix_worker.py", timeout=timeout, env=job_env)
+    for r, log in enumerate(res.logs):
+        if log is None or res.returncodes[r] != 0 or "exception" in log:
+            # A rank that leaves the job is not measured: it re-raises with the restart trigger
+            # still stopping (stopped without a wait) and, on rank 0, the store host still serving
+            # the others (its pipes stay open); its process exits next.
+            continue
+        # A rank that finished gave back every thread and descriptor the call took.
+        assert log["final_threads"] == log["threads_before"], (r, log["threads_before"], log["final_threads"])
+        assert log["final_fds"] == log["fds_before"], (r, log["fds_before"], log["final_fds"])
+        fds = [i["fds"] for i in log["iterations"]]
+        assert not fds or max(fds) - min(fds) <= 3, (r, fds)
+    return res
+
+
+def stamp_ns(res: JobResult, rank: int) -> tuple[int, int, int]:
+    """(time, iteration, step) of ``rank``'s last step start, which its stamp file keeps even if it died."""
+    raw = (pathlib.Path(res.job.env["INPROCESS_TEST_OUT"]) / f"stamp{rank}").read_bytes().split()
+    return int(raw[0]), int(raw[1]), int(raw[2])
+
+
+def fault_time_ns(res: JobResult, rank: int, iteration: int) -> int:
+    log = res.logs[rank]
+    if log is not None:
+        entry = next(i for i in log["iterations"] if i["iteration"] == iteration)
+        return int(entry["last_step_ns"])
+    t, it, _ = stamp_ns(res, rank)
+    assert it == iteration, (rank, it, iteration)
+    return t
+
+
+def resume_s(res: JobResult, survivors: list[int], iteration: int, fault_ns: int) -> float:
+    """From the fault to the last surviving active rank's start of iteration + 1."""
+    starts = [i["start_ns"] for r in survivors for i in res.rank(r)["iterations"] if i["iteration"] == iteration + 1]
+    assert starts, f"no survivor started iteration {iteration + 1}"
+    return (max(starts) - fault_ns) / 1e9
+
+
+def report(case: str, **figures: Any) -> None:
+    target = os.environ.get("MATRIX_REPORT")
+    if target:
+        with open(target, "a") as f:
+            f.write(json.dumps({"case": case, **figures}) + "\n")
+
+
+def assert_survivor(res: JobResult, r: int, iteration: int, world_size: Optional[int]) -> dict[str, Any]:
+    log = res.rank(r)
+    assert res.returncodes[r] == 0, f"rank {r}: rc={res.returncodes[r]} {log.get('exception')}: {log.get('message')}"
+    if world_size is None:  # a spare to the end: returns None
+        assert log["result"] is None and log["iterations"] == [], log
+    else:
+        assert log["result"]["iteration"] == iteration, log["result"]
+        assert log["iterations"][-1]["world_size"] == world_size
+    return log
+
+
+def assert_left(res: JobResult, r: int, kind: str) -> None:
+    leaves = LEAVES[kind]
+    assert leaves is not None
+    assert res.returncodes[r] == leaves[0], (r, res.returncodes, res.describe()[-3000:])
+
+
+# -- each kind on a spare, a normal rank and rank 0, one job per kind ----------------------------
+
+
+@pytest.mark.parametrize("kind", kinds(SLOW_KINDS))
+def test_a_kind_on_a_spare_then_a_normal_rank_then_rank_0(tmp_path: pathlib.Path, kind: str) -> None:
+    """5 ranks, 3 active and 2 spares (4, 3). Iteration 0: the spare 4 is hit while it waits.
+    Iteration 1: rank 2 is hit at step 2 (spare 3 takes its place if it leaves). Iteration 2:
+    rank 0, which started the store host, is hit at step 2."""
+    plan = f"{kind}@rank=4,after=200ms;{kind}@rank=2,step=2,iteration=1;{kind}@rank=0,step=2,iteration=2"
+    leaves = LEAVES[kind]
+    if leaves is None:
+        # exception and hang need training code: a spare runs none, so it is not hit, and
+        # iteration 0 would complete. They start at iteration 0 instead.
+        plan = f"{kind}@rank=4,after=200ms;{kind}@rank=2,step=2;{kind}@rank=0,step=2,iteration=1"
+    first_steps = "150" if kind in SLOW_KINDS else "12"  # iteration 0 outlasts the spare's detection
+    res = run_matrix(tmp_path, plan, world_size=5, timeout=130, MATRIX_ACTIVE="3", MATRIX_STEPS="12",
+                     MATRIX_FIRST_STEPS=first_steps)
+    if leaves is None:
+        for r in (0, 1, 2):
+            log = assert_survivor(res, r, 2, 3)
+            assert [x["terminated"] for x in log["restarts"]] == [[], []]
+        for r in (3, 4):
+            assert_survivor(res, r, 2, None)
+        restarts = res.rank(1)["restarts"]
+        for restart, r in zip(restarts, (2, 0), strict=True):
+            if kind == "exception":
+                assert any(f["rank"] == r and f["kind"] == "exception" for f in restart["faults"]), restarts
+            else:
+                # The hung rank's peers block in its allreduce and stop progressing too: whichever
+                # rank's soft timeout fires first requests the restart.
+                assert any(f["kind"] == "soft_timeout" for f in restart["faults"]), restarts
+        times = [resume_s(res, [0, 1, 2], i, fault_time_ns(res, r, i)) for i, r in ((0, 2), (1, 0))]
+        report(f"{kind}: normal rank, rank 0", outcome="all 5 ranks finish, world size 3", resume_s=times)
+        return
+    for r in (0, 2, 4):
+        assert_left(res, r, kind)
+    for r in (1, 3):
+        assert_survivor(res, r, 3, 2)
+    restarts = res.rank(1)["restarts"]
+    assert [x["terminated"] for x in restarts] == [[4], [2], [0]], restarts
+    assert restarts[1]["activated"] == [3], restarts  # the remaining spare took rank 2's place
+    for restart, r in zip(restarts, (4, 2, 0), strict=True):
+        assert any(f["rank"] == r and f["kind"] == leaves[1] for f in restart["faults"]), restart
+    assert res.rank(3)["iterations"][0]["iteration"] == 2  # the spare's first iteration as an active rank
+    times = [resume_s(res, [1, 3], i, fault_time_ns(res, r, i)) for i, r in ((1, 2), (2, 0))]
+    report(f"{kind}: spare, normal rank, rank 0", outcome="each hit rank leaves; 2 ranks finish",
+           exit_status=leaves[0], resume_s=times)
+
+
+# -- a fault on entering a phase -----------------------------------------------------------------
+
+PHASES = ["entry", "initialize", "abort", "finalize", "health_check", "barrier", "reassignment"]
+PHASE_KINDS = ["exception", "sigkill", "sigint", "hang"]
+
+
+def phase_plan(kind: str, phase: str) -> str:
+    spec = kind + (",for=3s" if kind == "hang" else "")
+    if phase == "reassignment":
+        # The leader (the first healthy arrival, any rank) of the barrier after iteration 1.
+        k, _, extra = spec.partition(",")
+        return f"exception@rank=1,step=2,iteration=0|1;{k}@rank=*,phase=reassignment,iteration=1" + \
+            (f",{extra}" if extra else "")
+    trigger = "" if phase == "initialize" else "exception@rank=1,step=2;"  # the restart the phase belongs to
+    k, _, extra = spec.partition(",")
+    return f"{trigger}{k}@rank=2,phase={phase}" + (f",{extra}" if extra else "")
+
+
+# The default run: every phase with an exception, and a death at entry, in abort and at the
+# barrier; the rest (and the leader's death, which waits barrier_timeout) are marked slow.
+DEFAULT_PHASE_CASES = {("exception", p) for p in PHASES} | {("sigkill", p) for p in ("entry", "abort", "barrier")}
+
+
+@pytest.mark.parametrize("kind, phase", [
+    (k, p) if (k, p) in DEFAULT_PHASE_CASES else pytest.param(k, p, marks=pytest.mark.slow)
+    for k in PHASE_KINDS for p in PHASES])
+def test_a_fault_on_entering_a_phase(tmp_path: pathlib.Path, kind: str, phase: str) -> None:
+    start = time.monotonic()
+    res = run_matrix(tmp_path, phase_plan(kind, phase), MATRIX_STEPS="12")
+    took = time.monotonic() - start
+    others = [0, 1, 3]
+    if phase == "reassignment":
+        if kind == "hang":  # the leader decides 3 s late; nothing else changes
+            for r in range(4):
+                assert_survivor(res, r, 2, 4)
+        elif kind == "sigkill":
+            # The leader dies after its arrival, before its decision: nobody can count it out (its
+            # seat is taken) and nobody else leads, so every rank leaves at barrier_timeout.
+            dead = [r for r in range(4) if res.returncodes[r] == -signal.SIGKILL]
+            assert len(dead) == 1, res.returncodes
+            for r in set(range(4)) - set(dead):
+                log = res.rank(r)
+                assert res.returncodes[r] == 1 and log["exception"] == "TimeoutError", log
+                assert "barrier 2" in log["message"], log["message"]
+        else:
+            # A failing rank assignment (a KeyboardInterrupt too) ends the job on every rank.
+            for r in range(4):
+                log = res.rank(r)
+                assert res.returncodes[r] == 1 and log["exception"] == "RestartAbort", log
+                assert "rank assignment failed" in log["message"], log["message"]
+        report(f"{kind} on entering {phase}", rcs=res.returncodes, took_s=took)
+        return
+    survives = kind == "hang" or (kind == "exception" and phase == "initialize")
+    if survives:
+        for r in range(4):
+            assert_survivor(res, r, 1, 4)
+        report(f"{kind} on entering {phase}", outcome="every rank finishes, world size 4", took_s=took)
+        return
+    expected_rc = {"exception": 1, "sigkill": -signal.SIGKILL, "sigint": -signal.SIGINT}[kind]
+    assert res.returncodes[2] == expected_rc, (res.returncodes, res.describe()[-3000:])
+    for r in others:
+        log = assert_survivor(res, r, 1, 3)
+        if phase == "entry":
+            # Counted out of the initial barrier: the job starts without it, and nothing restarts for it.
+            assert log["iterations"][0]["world_size"] == 3
+            assert all(2 not in x["terminated"] for x in log["restarts"])
+        else:
+            assert log["restarts"][0]["terminated"] == [2], log["restarts"]
+    report(f"{kind} on entering {phase}", outcome="rank 2 leaves, 3 finish", rc=expected_rc, took_s=took)
+
+
+# -- several ranks at once, and a second fault during a restart -------------------------------------
+
+SEVERAL = [
+    ("sigkill@rank=1|2,step=2", {1, 2}),
+    pytest.param("exception@rank=0|1|3,step=2", set(), marks=pytest.mark.slow),
+    ("sigkill@rank=1,step=2;exception@rank=2,step=2;segfault@rank=3,step=2", {1, 3}),
+    pytest.param("os_exit@rank=0|3,step=2;hang@rank=1,step=2", {0, 3}, marks=pytest.mark.slow),
+    pytest.param("sigint@rank=0|1|2,step=2", {0, 1, 2}, marks=pytest.mark.slow),
+    # a second fault while the first's restart is in progress
+    ("exception@rank=1,step=2;sigkill@rank=2,phase=abort;sigkill@rank=3,phase=barrier", {2, 3}),
+    pytest.param("sigkill@rank=1,step=2;exception@rank=0,phase=finalize", {0, 1}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("plan, leaving", SEVERAL)
+def test_several_faults_at_once(tmp_path: pathlib.Path, plan: str, leaving: set[int]) -> None:
+    res = run_matrix(tmp_path, plan, MATRIX_STEPS="12")
+    survivors = sorted(set(range(4)) - leaving)
+    for r in leaving:
+        assert res.returncodes[r] != 0, (r, res.returncodes)
+    for r in survivors:
+        log = assert_survivor(res, r, log_iteration(res, r), 4 - len(leaving))
+        assert sorted({t for x in log["restarts"] for t in x["terminated"]}) == sorted(leaving), log["restarts"]
+    report(f"several: {plan}", rcs=res.returncodes)
+
+
+def log_iteration(res: JobResult, r: int) -> int:
+    """The iteration a survivor finished in (several faults at once may take one restart or two)."""
+    it = res.rank(r)["result"]["iteration"]
+    assert it in (1, 2), it
+    return int(it)
+
+
+# -- a scheduler signals every rank -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum, whole_groups", [
+    (signal.SIGTERM, False), (signal.SIGTERM, True), pytest.param(signal.SIGINT, True, marks=pytest.mark.slow),
+])
+def test_a_scheduler_signals_every_rank(tmp_path: pathlib.Path, signum: int, whole_groups: bool) -> None:
+    """SIGTERM to every rank process (or to every process of the job, monitors and store host
+    included, as SLURM does), or a Ctrl-C to the process groups: every process is gone within
+    seconds, nothing restarts for ever, nothing is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"INPROCESS_TEST_OUT": str(out), "MATRIX_STEPS": "400", "INPROCESS_TEST_LOG": "WARNING"}
+    shm_before = set(os.listdir("/dev/shm"))
+    with LocalJob([str(WORKERS / "matrix_worker.py")], 4, env=env) as job:
+        deadline = time.monotonic() + 60
+        while not all((out / f"stamp{r}").exists() and (out / f"stamp{r}").stat().st_size for r in range(4)):
+            assert time.monotonic() < deadline, job.outputs()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        for rp in job.ranks:
+            if whole_groups:
+                os.killpg(rp.popen.pid, signum)
+            else:
+                rp.popen.send_signal(signum)
+        job.wait(60)
+        gone = time.monotonic() - sent
+        left = leftover_processes({rp.popen.pid for rp in job.ranks}, grace=10.0)
+        assert not left, left
+    assert not set(os.listdir("/dev/shm")) - shm_before
+    codes = [rp.returncode for rp in job.ranks]
+    assert all(c in (-signum, 1) for c in codes), (codes, job.outputs()[-4000:])
+    # SIGTERM: every rank dies at once (no handler). A Ctrl-C to every process stops the store
+    # host at once too, and each terminated rank then fails to record its leaving against a store
+    # that is gone: about 30 s here (measured 29 s), bounded by the store operations' timeouts.
+    assert gone < (15 if signum == signal.SIGTERM else 45), gone
+    report(f"scheduler {signal.Signals(signum).name} {'to every process' if whole_groups else 'to every rank'}",
+           rcs=codes, gone_s=gone)
