@@ -107,7 +107,7 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
     return TorchrunJob(out, returncode, log_path.read_text(), left)
 
 
-def reap_marked(marker: str, grace: float = 15.0) -> dict[int, str]:
+def reap_marked(marker: str, grace: float = 20.0) -> dict[int, str]:
     """What outlived torchrun (after ``grace``), then killed: every test leaves nothing running."""
     deadline = time.monotonic() + grace
     left = processes_with(marker)
@@ -158,7 +158,11 @@ def test_a_killed_worker_makes_torchrun_restart_every_worker_and_the_new_incarna
     tmp_path: pathlib.Path, shared_store: bool, victim: int
 ) -> None:
     plan = {"steps": 10, "faults": [{"iteration": 0, "rank": victim, "step": 3, "kind": "sigkill",
-                                     "restart_count": 0}]}
+                                     "restart_count": 0}],
+            # Without the shared store, killed rank 0's store host (forked into rank 0's process group, which
+            # torchrun no longer signals: it stops only the workers still running) serves on until no monitor
+            # has heartbeat for heartbeat_timeout: 10 s here (60 s by default).
+            "wrapper": {"heartbeat_interval": 2, "heartbeat_timeout": 10}}
     job = run_torchrun(tmp_path, plan, max_restarts=1, shared_store=shared_store)
     assert job.returncode == 0, job.output[-8000:]
     assert not job.left, job.left
