@@ -12,6 +12,11 @@ or already back in the engine. The rules:
   thread, whose handler raises (``time.sleep`` and ``Lock.acquire`` return
   early on a signal). Outside the main interpreter thread, where Python runs
   no signal handlers, ``PyThreadState_SetAsyncExc`` is used instead;
+* never inside an import: a module half-initialised by an exception stays
+  broken in ``sys.modules`` for every later iteration (DDP's first use imports
+  ``torch._dynamo`` and sympy, for a second or more). The handler lets the
+  import finish; the trigger thread sends the signal again (:meth:`nudge`)
+  until the exception is delivered;
 * exactly once per fire: whichever of the handler and ``running()``'s exit
   gets there first raises, the other does nothing.
 """
@@ -22,6 +27,7 @@ import contextlib
 import ctypes
 import signal
 import threading
+from types import FrameType
 from typing import Any, Iterator, Optional
 
 from ..exception import RankShouldRestart
@@ -92,12 +98,23 @@ class MainThreadInterrupter:
             if pending:
                 raise RankShouldRestart(self._reason)
 
-    def _on_signal(self, signum: int, frame: Optional[object]) -> None:
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         # Runs in the main thread between bytecodes; it must not take the lock
         # (the main thread may hold it). Reading plain attributes is atomic.
-        if self._in_fn and self._fired and not self._delivered:
+        if self._in_fn and self._fired and not self._delivered and not _importing(frame):
             self._delivered = True
             raise RankShouldRestart(self._reason)
+
+    @property
+    def pending(self) -> bool:
+        """Fired while the main thread is inside the function, and not delivered yet."""
+        return self._in_fn and self._fired and not self._delivered
+
+    def nudge(self) -> None:
+        """Send the signal again while the exception is pending (an import held it back)."""
+        with self.lock:
+            if self._use_signal and self.pending:
+                signal.pthread_kill(self._thread_id, INTERRUPT_SIGNAL)
 
     # -- the trigger thread ---------------------------------------------------
 
@@ -121,3 +138,12 @@ class MainThreadInterrupter:
 
     def _clear_async(self) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
+
+
+def _importing(frame: Optional[FrameType]) -> bool:
+    """True when ``frame`` or a caller of it is importlib's machinery running a module's code."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False

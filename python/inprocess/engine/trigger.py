@@ -24,6 +24,9 @@ EXIT_CODE_UNRELEASABLE = 75
 log = logging.getLogger("inprocess")
 
 
+# How often the trigger re-sends the interrupt that an import held back.
+NUDGE_S = 0.02
+
 class IterationOutcome:
     """What the trigger saw for one iteration, for the main thread to collect."""
 
@@ -132,7 +135,12 @@ class RestartTrigger:
     def _escalate_if_stuck(self, iteration: int) -> None:
         """A main thread still inside the function after the abort cannot be
         trusted with the job: the rank leaves it, and the process exits."""
-        if self._interrupter.outside_fn.wait(self._release_timeout):
+        deadline = time.monotonic() + self._release_timeout
+        while not self._interrupter.outside_fn.wait(min(NUDGE_S, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                break
+            self._interrupter.nudge()  # an import held the exception back: try again once it is done
+        else:
             return
         log.error(
             "iteration %d: the main thread did not return within %.0fs of the abort; "
