@@ -72,7 +72,7 @@ def test_a_valid_decision_round_trips() -> None:
     assert d.membership == valid_decision().membership
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=400))
 def test_random_bytes_are_never_a_decision(raw: bytes) -> None:
     tried("decision: random bytes")
@@ -104,7 +104,7 @@ def _swap(d: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
     return d
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_decision_with_one_wrong_field_is_refused_or_still_consistent(data: st.DataObject) -> None:
     tried("decision: one field wrong")
@@ -141,7 +141,7 @@ def test_named_garbage_is_refused(raw: bytes) -> None:
 _RUN_VALUES = st.one_of(st.integers(-3, 12), st.just(2**40), st.booleans(), st.none(), st.text(max_size=2))
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(_RUN_VALUES, min_size=0, max_size=6), max_size=6), st.integers(0, 10))
 def test_membership_runs_decode_strictly(runs: list[list[Any]], n: int) -> None:
     tried("membership: random runs")
@@ -160,7 +160,7 @@ def test_membership_runs_decode_strictly(runs: list[list[Any]], n: int) -> None:
 # -- fault records (JSON lines of a faults key) ----------------------------------------------------
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.text(max_size=300), st.integers(0, len(VALID_FAULT)).map(lambda k: VALID_FAULT[:k]),
                  st.builds(lambda field, value: json.dumps({**json.loads(VALID_FAULT), field: value}),
                            st.sampled_from(sorted(json.loads(VALID_FAULT))), _WRONG)))

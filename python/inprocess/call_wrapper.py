@@ -246,13 +246,14 @@ class CallWrapper:
         consequence of the restart, or a reason to leave."""
         s = self.state
         p = self._runtime.protocol
+        if not isinstance(e, Exception):
+            # Never a consequence of the abort (a Ctrl-C during a restart): the rank leaves.
+            raise LeaveJob(e, Leave.TERMINATED) from None
         if self._runtime.interrupter.fired:
             # Raised because the restart aborted what this rank was doing.
             log.debug("rank %d: %s while restarting", s.initial_rank, type(e).__name__)
             drop_frames(e)
             return
-        if not isinstance(e, Exception):
-            raise LeaveJob(e, Leave.TERMINATED) from None
         # Publish before the frames are dropped: dropping them may destroy
         # this rank's process group, and a peer that sees its connection
         # close must find the restart already requested.
