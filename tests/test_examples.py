@@ -54,7 +54,10 @@ def test_minimal_wraps_main_as_it_is_and_restarts_it_from_the_beginning() -> Non
     codes = [rc for rc, _ in ranks]
     everything = "\n".join(out for _, out in ranks)
     assert codes == [0, 0, 0, 0], everything[-8000:]
-    assert "restart after iteration 0: cause: rank 2 exception: InjectedException" in everything
+    # The WARNING summary names rank 2's injected exception among the causes (a peer's own error
+    # recorded in the same instant may be listed with it).
+    summaries = [line for line in everything.splitlines() if "restart after iteration 0: cause:" in line]
+    assert any("rank 2 exception: InjectedException" in line for line in summaries), everything[-8000:]
     assert "[minimal] 100 steps in" in ranks[0][1], ranks[0][1]
 
 

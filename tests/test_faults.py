@@ -394,7 +394,9 @@ def test_a_gil_hang_holds_the_gil_for_its_duration() -> None:
     assert res.returncode == 0, res.stderr
     seen = json.loads(res.stdout)
     assert seen["elapsed"] >= 1.5
-    assert seen["ticks"] <= 1, seen  # the other thread could not run a single tick
+    # Released, the GIL would let the other thread tick ~150 times; held, it ticks only at the edges
+    # (between reading `before` and the call taking the GIL, and as the GIL comes back), once each.
+    assert seen["ticks"] <= 2, seen
 
 
 # Two counters in a file, bumped by the main thread and by a second thread; for a parent to watch.

@@ -197,7 +197,10 @@ def test_an_exit_status_asking_for_a_new_process_is_a_torchrun_restart(tmp_path:
         plan = {"steps": 10, "pg_timeout": 30,
                 "wrapper": {"soft_timeout": 2, "hard_timeout": 3, "barrier_timeout": 9},
                 "faults": [{"iteration": 0, "rank": 2, "step": 3, "kind": "swallow_restart", "restart_count": 0},
-                           {"iteration": 0, "rank": 1, "step": 3, "kind": "exception", "restart_count": 0}]}
+                           # Late, so that rank 2 is in its loop before the restart comes (at once, a
+                           # fast rank 1 could restart the job while rank 2 was still in step 2).
+                           {"iteration": 0, "rank": 1, "step": 3, "kind": "delayed_exception:1.0",
+                            "restart_count": 0}]}
     job = run_torchrun(tmp_path, plan, max_restarts=1)
     assert job.returncode == 0, job.output[-8000:]
     assert f"exitcode: {status}" in job.output, job.output[-8000:]
