@@ -394,13 +394,12 @@ class RestartProtocol:
         the caller moved the seat already (a monitor counting its rank out, a
         rank whose node agent went away after its seat).
         """
-        if terminated:
-            return self._barrier(iteration, initial_rank, expected, terminated=True, decide=decide, timeout=timeout,
-                                 seat_taken=seat_taken)
         try:
-            return self._barrier(iteration, initial_rank, expected, decide=decide, timeout=timeout,
-                                 seat_taken=seat_taken)
+            return self._barrier(iteration, initial_rank, expected, terminated=terminated, decide=decide,
+                                 timeout=timeout, seat_taken=seat_taken)
         except TimeoutError as e:
+            if terminated:
+                raise
             described = self.describe_arrivals(iteration, expected)
             self.give_up(iteration)
             raise TimeoutError(f"{described} ({e})") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import traceback
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..control.protocol import FaultRecord, RestartProtocol
 from ..state import Mode, State
@@ -38,17 +38,23 @@ class LeaveJob(Exception):
         self.reason = reason
 
 
-def drop_frames(exc: BaseException) -> None:
-    """Release the frames an exception holds (and with them the failed
-    iteration's models and process groups), keeping type and message."""
-    seen = set()
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or during (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Release the frames an exception holds (and with them the failed
+    iteration's models and process groups), keeping type and message."""
+    for e in exception_chain(exc):
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
             e.__traceback__ = None
-        e = e.__cause__ or e.__context__
 
 
 def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseException, timeout: float) -> None:

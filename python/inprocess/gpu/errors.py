@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional
 
+from ..engine.leave import exception_chain
 from ..exception import HealthCheckError, RestartError
 
 log = logging.getLogger("inprocess")
@@ -79,11 +80,4 @@ def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], ob
 
 def lost_context_in(exc: BaseException) -> Optional[CudaContextLost]:
     """The :class:`CudaContextLost` that ``exc`` is or was raised from, if any."""
-    seen: set[int] = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, CudaContextLost):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return next((e for e in exception_chain(exc) if isinstance(e, CudaContextLost)), None)
