@@ -28,27 +28,12 @@ import time
 from typing import Any, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
-from inprocess.launch import LocalJob, free_port
+from inprocess.launch import LocalJob
 
 HERE = pathlib.Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
 WORLD_SIZE = 4
 FAULTY_RANK = 2
-
-
-def free_port_pair() -> int:
-    """minimal.py's wrapper serves MASTER_PORT + 1: both must be free."""
-    import socket
-
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports found")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,10 +50,9 @@ def run_example(name: str, steps: int, faults: int, after_s: float, timeout: flo
         env = {"INPROCESS_FAULTS": f"exception@rank={FAULTY_RANK},after={after_s}s,iteration={iterations}",
                "INPROCESS_EVENTS_DIR": str(events)}
         argv = [str(HERE / "example_timing.py"), str(timing), str(EXAMPLES / f"{name}.py"), "--steps", str(steps)]
-        port = free_port_pair() if name == "minimal" else None
         start = time.monotonic()
         print(f"{name}: 4 ranks, {faults} faults on rank {FAULTY_RANK} {after_s}s into each iteration ...", flush=True)
-        with LocalJob(argv, WORLD_SIZE, env=env, port=port) as job:  # kills every rank on any exit, Ctrl-C included
+        with LocalJob(argv, WORLD_SIZE, env=env) as job:  # kills every rank on any exit, Ctrl-C included
             ranks = job.wait(timeout)
         failed = [r.rank for r in ranks if r.returncode != 0]
         if failed:

@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,21 +33,10 @@ import time
 from typing import Any, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+from inprocess.launch import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now (held together while they are chosen, so never the same twice)."""
-    held = [socket.socket() for _ in range(n)]
-    try:
-        for s in held:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in held]
-    finally:
-        for s in held:
-            s.close()
 
 
 def run_once(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -65,7 +53,8 @@ def run_once(python: str, library: str, world_size: int, scenario: str, timeout_
 
 def run_job(python: str, library: str, world_size: int, scenario: str, timeout_s: float) -> list[dict[str, Any]]:
     """One job; every rank reaped on every path (each in its own process group)."""
-    port, meeting_port = free_ports(2)
+    port = free_port()
+    meeting_port = port + 1
     procs = []
     try:
         for rank in range(world_size):

@@ -7,7 +7,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -22,23 +21,6 @@ EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (minimal.py's wrapper serves MASTER_PORT + 1)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return int(port)
-    raise RuntimeError("no two consecutive free ports found")
-
-
 def run_example(argv: list[str], faults: str, world_size: int = 4, port: int | None = None,
                 timeout: float = 120.0) -> list[tuple[int, str]]:
     env = {"INPROCESS_FAULTS": faults} if faults else {}
@@ -50,7 +32,7 @@ def run_example(argv: list[str], faults: str, world_size: int = 4, port: int | N
 
 def test_minimal_wraps_main_as_it_is_and_restarts_it_from_the_beginning() -> None:
     ranks = run_example([str(EXAMPLES / "minimal.py"), "--steps", "100"],
-                        "exception@rank=2,after=1s", port=free_port_pair())
+                        "exception@rank=2,after=1s")
     codes = [rc for rc, _ in ranks]
     everything = "\n".join(out for _, out in ranks)
     assert codes == [0, 0, 0, 0], everything[-8000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import leftover_processes
+from inprocess.launch import ephemeral_port_range, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,3 +94,28 @@ def test_bad_arguments_are_refused_naming_the_value(tmp_path: pathlib.Path, args
     assert res.returncode == 2
     assert message in res.stderr
     assert not list(tmp_path.glob("rank*.json"))  # no rank was started
+
+
+def test_free_port_gives_consecutive_listenable_ports_below_the_ephemeral_range() -> None:
+    low, _ = ephemeral_port_range()
+    for count in (1, 2, 3):
+        port = free_port(count)
+        assert 1024 <= port and port + count - 1 < low, (port, count, low)
+        held = []
+        try:
+            for p in range(port, port + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("", p))  # raises if the port was not free
+                s.listen()
+            # A port in use is never offered: with P .. P + count - 1 held, a new answer avoids them.
+            again = free_port(count)
+            assert not set(range(again, again + count)) & set(range(port, port + count))
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_free_port_refuses_a_count_below_one() -> None:
+    with pytest.raises(ValueError, match=r"count=0: expected a positive int"):
+        free_port(0)

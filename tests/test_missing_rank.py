@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from conftest import WORKERS, leftover_processes
+from inprocess.launch import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -20,9 +20,7 @@ BARRIER_S = 8.0
 
 
 def test_three_of_four_ranks_launched(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     plan = {"calls": 1, "barrier_timeout": BARRIER_S, "soft_timeout": 2, "hard_timeout": 4,
             "termination_grace_time": 1}
     procs, ended = [], {}

@@ -16,19 +16,14 @@ import time
 import pytest
 
 import inprocess
+from inprocess.launch import free_port
 from inprocess.store import _await_listener, _resolve
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_returns_within_a_few_polls_of_the_listener_appearing() -> None:
-    port = _free_port()
+    port = free_port()
     listener = socket.socket()
     listening_at: list[float] = []
 
@@ -61,12 +56,12 @@ def _store(monkeypatch: pytest.MonkeyPatch, addr: str, port: int, rank: int, tim
 def test_an_unresolvable_master_addr_is_named_at_once(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"'no-such-host\.invalid' \(MASTER_ADDR\) does not resolve"):
-        _store(monkeypatch, "no-such-host.invalid", _free_port(), rank, 30)
+        _store(monkeypatch, "no-such-host.invalid", free_port(), rank, 30)
     assert time.monotonic() - start < 10
 
 
 def test_nothing_listening_is_named_at_the_stores_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"nothing listens at 127\.0\.0\.1:{port} .* after 1s"):
         _store(monkeypatch, "127.0.0.1", port, 1, 1)
@@ -99,7 +94,7 @@ def test_a_bad_master_addr_in_a_wrapped_call_leaves_nothing_running(tmp_path) ->
             print("ERROR", e)
         print("CHILDREN", len(psutil.Process().children(recursive=True)))
     """)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid", MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=40)
     assert "ERROR the store's address 'no-such-host.invalid' (MASTER_ADDR) does not resolve" in done.stdout, done
     assert "CHILDREN 0" in done.stdout, done.stdout

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +27,48 @@ import time
 from typing import Optional, Sequence
 
 
-def free_port() -> int:
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (inclusive)."""
+    try:
+        low, high = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(count: int = 2) -> int:
+    """A port P such that P .. P + count - 1 are free to listen on now.
+
+    Chosen below the kernel's ephemeral range, as launchers' defaults are
+    (torchrun's 29500): a port inside it can be taken at any moment as the
+    local port of some outgoing connection on this machine, and a program that
+    listens on MASTER_PORT + 1 only later (a store of its own, as NVRx's
+    examples do) then fails with EADDRINUSE, for as long as that connection or
+    its TIME_WAIT lasts (seen in about one run in 50 under load).
+    """
+    if count < 1:
+        raise ValueError(f"count={count!r}: expected a positive int")
+    low = ephemeral_port_range()[0]
+    first, last = 10000, low - count  # the candidates for P
+    if last <= first:
+        first, last = 1024, 65535 - count  # no room below the range: anywhere
+    chooser = random.Random()
+    for _ in range(1000):
+        port = chooser.randint(first, last)
+        if all(_can_listen(port + i) for i in range(count)):
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports found in {first}..{last + count - 1}")
+
+
+def _can_listen(port: int) -> bool:
+    # Any address and no SO_REUSEADDR: free for a listener on every address,
+    # with no connection or TIME_WAIT holding it either.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclasses.dataclass
@@ -61,6 +101,7 @@ class LocalJob:
         self.ranks_per_node = ranks_per_node or world_size
         self.argv = list(argv)
         self.world_size = world_size
+        # MASTER_PORT + 1 is free too: programs written as NVRx's examples host a store of their own there.
         self.port = port or free_port()
         self.env = dict(env or {})
         self.capture = capture
