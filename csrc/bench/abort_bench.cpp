@@ -3,20 +3,25 @@
 // inprocess's own overhead (handing the abort to the worker thread, the
 // grouped ncclCommAbort calls, the wake-ups), not NCCL's teardown.
 //
-//   abort_bench [path/to/libnccl.so.2] [runs] [communicators]
+//   abort_bench [path/to/libnccl.so.2] [runs] [communicators] [blocked (1)]
 //
 // Each run: `communicators` fake communicators, one thread blocked in a
 // "collective" on each (it returns once its communicator is aborted); then
 // NcclLibrary::abort(grouped). Reported: request -> abort call returned, and
-// request -> the last blocked collective woke up (released).
+// request -> the last blocked collective woke up (released). With blocked = 0
+// no collective waits: the abort returned is then the hand-off to the deadline
+// worker, the grouped calls and the hand-back alone, without woken threads
+// competing with them for the cores.
 #include <dlfcn.h>
 #include <time.h>
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,14 +47,61 @@ Percentiles summarise(std::vector<int64_t> v) {
   return {at(0.5), at(0.99), v.back() / 1e3};
 }
 
+// The floor of any design that runs the abort on a thread of its own: a bare
+// condition-variable round trip to a thread asleep since its last one. Sampled
+// in the same runs as the abort, interleaved, as the machine's wake-up latency
+// changes from minute to minute.
+class WakeUpFloor {
+ public:
+  WakeUpFloor() : peer_([this] { serve(); }) {}
+  ~WakeUpFloor() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    peer_.join();
+  }
+  int64_t sample() {
+    const int64_t requested = monotonic_ns();
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = true;
+    done_ = false;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return done_; });
+    return monotonic_ns() - requested;
+  }
+
+ private:
+  void serve() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return job_ || stop_; });
+      if (stop_) return;
+      job_ = false;
+      done_ = true;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool job_ = false, done_ = false, stop_ = false;
+  std::thread peer_;
+};
+
+void print_row(const char* name, const Percentiles& p) {
+  std::printf("%-40s %10.1f %10.1f %10.1f\n", name, p.p50_us, p.p99_us, p.max_us);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string path = argc > 1 ? argv[1] : INPROCESS_FAKE_NCCL;
   const int runs = argc > 2 ? std::atoi(argv[2]) : 2000;
   const int count = argc > 3 ? std::atoi(argv[3]) : 4;
+  const bool blocked = argc > 4 ? std::atoi(argv[4]) != 0 : true;
   if (path.empty() || runs < 1 || count < 1) {
-    std::fprintf(stderr, "usage: %s path/to/fake/libnccl.so.2 [runs] [communicators]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s path/to/fake/libnccl.so.2 [runs] [communicators] [blocked (1)]\n", argv[0]);
     return 2;
   }
   auto nccl = inprocess::gpu::NcclLibrary::open(path);
@@ -65,7 +117,8 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  std::vector<int64_t> returned, released;
+  std::vector<int64_t> returned, released, floor_samples;
+  WakeUpFloor floor_probe;
   returned.reserve(runs);
   released.reserve(runs);
   for (int run = 0; run < runs; ++run) {
@@ -73,13 +126,13 @@ int main(int argc, char** argv) {
     for (int i = 0; i < count; ++i) comms.push_back(reinterpret_cast<uint64_t>(create()));
     std::vector<std::atomic<int64_t>> woke(count);
     std::vector<std::thread> collectives;
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < (blocked ? count : 0); ++i) {
       collectives.emplace_back([&, i] {
         wait(reinterpret_cast<void*>(comms[i]), 10'000);
         woke[i].store(monotonic_ns());
       });
     }
-    timespec settle{0, 300'000};  // every collective inside its wait
+    timespec settle{0, 300'000};  // every collective inside its wait; the worker asleep
     nanosleep(&settle, nullptr);
     const int64_t requested = monotonic_ns();
     const auto outcome = nccl->abort(comms, true, 1'000'000'000);
@@ -92,18 +145,24 @@ int main(int argc, char** argv) {
     int64_t last = 0;
     for (auto& w : woke) last = std::max(last, w.load());
     returned.push_back(done - requested);
-    released.push_back(last - requested);
+    if (blocked) released.push_back(last - requested);
     for (auto c : comms) destroy(reinterpret_cast<void*>(c));
+    nanosleep(&settle, nullptr);  // the probe's thread asleep as long as the worker was
+    floor_samples.push_back(floor_probe.sample());
   }
   const auto r = summarise(returned);
-  const auto l = summarise(released);
-  std::printf("abort latency on the fake libnccl, %d runs, %d communicators, one blocked collective each\n", runs,
-              count);
+  const auto floor = summarise(floor_samples);
+  std::printf("abort latency on the fake libnccl, %d runs, %d communicators, %s\n", runs, count,
+              blocked ? "one blocked collective each" : "no collective waiting");
   std::printf("%-40s %10s %10s %10s\n", "", "p50 us", "p99 us", "max us");
-  std::printf("%-40s %10.1f %10.1f %10.1f\n", "request -> abort returned", r.p50_us, r.p99_us, r.max_us);
-  std::printf("%-40s %10.1f %10.1f %10.1f\n", "request -> collectives released", l.p50_us, l.p99_us, l.max_us);
-  std::printf("{\"bench\": \"abort_latency_fake\", \"runs\": %d, \"communicators\": %d, \"returned_p50_us\": %.1f, "
-              "\"returned_p99_us\": %.1f, \"released_p50_us\": %.1f, \"released_p99_us\": %.1f}\n",
-              runs, count, r.p50_us, r.p99_us, l.p50_us, l.p99_us);
+  print_row("request -> abort returned", r);
+  const auto l = blocked ? summarise(released) : Percentiles{0, 0, 0};
+  if (blocked) print_row("request -> collectives released", l);
+  print_row("floor: a sleeping thread's round trip", floor);
+  std::printf("{\"bench\": \"abort_latency_fake\", \"runs\": %d, \"communicators\": %d, \"blocked\": %s, "
+              "\"returned_p50_us\": %.1f, \"returned_p99_us\": %.1f, ", runs, count, blocked ? "true" : "false",
+              r.p50_us, r.p99_us);
+  if (blocked) std::printf("\"released_p50_us\": %.1f, \"released_p99_us\": %.1f, ", l.p50_us, l.p99_us);
+  std::printf("\"floor_p50_us\": %.1f, \"floor_p99_us\": %.1f}\n", floor.p50_us, floor.p99_us);
   return 0;
 }
