@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 
 import inprocess
 from inprocess.launch import free_port
-from inprocess.store import _await_listener, _resolve
+from inprocess.store import _await_listener, _reach_store, _resolve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,3 +99,80 @@ def test_a_bad_master_addr_in_a_wrapped_call_leaves_nothing_running(tmp_path) ->
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=40)
     assert "ERROR the store's address 'no-such-host.invalid' (MASTER_ADDR) does not resolve" in done.stdout, done
     assert "CHILDREN 0" in done.stdout, done.stdout
+
+
+def _resetting_listener(port: int, resets: int | None, closed: threading.Event) -> threading.Thread:
+    """Listens at ``port`` and resets the first ``resets`` connections (every one if None) before any
+    answer, as a store server going away does; then stops listening and sets ``closed``."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    listener.settimeout(0.2)
+
+    def serve() -> None:
+        done = 0
+        try:
+            while (resets is None or done < resets) and not closed.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()  # linger on, 0 s: a reset
+                done += 1
+        finally:
+            listener.close()
+            closed.set()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_server_going_away_in_the_handshake_is_waited_out_until_its_successor_answers() -> None:
+    # The previous wrapped call's store host resets this rank's probe; the next call's host takes the
+    # port right after it: the rank connects to the new one instead of leaving the job.
+    port = free_port()
+    closed = threading.Event()
+    old = _resetting_listener(port, 1, closed)
+    successor: list[object] = []
+
+    def take_over() -> None:
+        closed.wait(10)
+        successor.append(torch_store(port))
+
+    t = threading.Thread(target=take_over, daemon=True)
+    t.start()
+    try:
+        start = time.monotonic()
+        _reach_store(_resolve("127.0.0.1", port), "127.0.0.1", port, timeout_s=10)
+        assert time.monotonic() - start < 5
+        assert closed.is_set(), "returned before the old server went away"
+    finally:
+        t.join(15)
+        old.join(5)
+    assert successor, "the successor store never started"
+
+
+def test_a_listener_that_resets_every_handshake_is_named_at_the_timeout() -> None:
+    port = free_port()
+    closed = threading.Event()
+    listener = _resetting_listener(port, None, closed)
+    try:
+        start = time.monotonic()
+        # Reset in the handshake or, at the last attempt, in the connect itself: either is named.
+        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} is not a torch TCPStore server: .*("
+                                                  r"closed the connection in the handshake|Connection reset by peer)"):
+            _reach_store(_resolve("127.0.0.1", port), "127.0.0.1", port, timeout_s=1.0)
+        assert time.monotonic() - start < 3
+    finally:
+        closed.set()
+        listener.join(5)
+
+
+def torch_store(port: int) -> object:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))

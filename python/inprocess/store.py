@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .control.host_names import numeric_host_names
 from .control.incarnation import job_incarnation
-from .control.tcpstore_client import StoreError, TCPStoreClient
+from .control.tcpstore_client import StoreError, StoreHandshakeClosedError, TCPStoreClient
 from .engine import sockets
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig
@@ -36,6 +36,7 @@ from .processes.forked import fork_helper
 
 # How long a rank gives what listens at MASTER_ADDR:MASTER_PORT to answer a store's handshake.
 PROBE_S = 10.0
+_REACH_RETRY_S = 0.005  # between handshakes that a server going away closed
 
 
 class StoreMixin:
@@ -166,25 +167,45 @@ def _resolve(host: str, port: int) -> tuple[Any, ...]:
 def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: float) -> None:
     """Return once a torch TCPStore server answers at ``host:port``; a clear error, within
     ``timeout_s``, when nothing listens there or what listens is not a store."""
-    # torch's client backs off for about half a second when the server is not listening
-    # yet; ranks that start before the store host would all pay it before the first barrier.
-    _await_listener(address, host, port, timeout_s)
-    probe_s = min(timeout_s, PROBE_S)
-    try:
-        TCPStoreClient(host, port, timeout=probe_s, connect_timeout=probe_s).close()
-    except StoreError as e:
-        raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: {e}") from None
-
-
-def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
-    family, kind, proto, _, sockaddr = address
     deadline = time.monotonic() + timeout_s
+    while True:
+        # torch's client backs off for about half a second when the server is not listening
+        # yet; ranks that start before the store host would all pay it before the first barrier.
+        _await_listener(address, host, port, timeout_s, deadline=deadline)
+        probe_s = max(min(deadline - time.monotonic(), PROBE_S), 0.001)
+        try:
+            TCPStoreClient(host, port, timeout=probe_s, connect_timeout=probe_s).close()
+            return
+        except StoreHandshakeClosedError as e:
+            # A server going away answers so: the store host of the previous wrapped call
+            # still has its port for a few ms after it closed this rank's connection (the
+            # kernel accepts into its backlog until then), and the next call's host listens
+            # on the same port right after. A listener that keeps closing connections is
+            # named at the store's timeout.
+            if time.monotonic() + _REACH_RETRY_S >= deadline:
+                raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: "
+                                      f"{e}") from None
+            time.sleep(_REACH_RETRY_S)
+        except StoreError as e:
+            raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: "
+                                  f"{e}") from None
+
+
+def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: float, poll_s: float = 0.005,
+                    *, deadline: Optional[float] = None) -> None:
+    """Return once something accepts connections at the address; ``deadline`` (monotonic) ends the
+    wait before ``timeout_s`` (which the error names) when the caller spent some of it already."""
+    family, kind, proto, _, sockaddr = address
+    if deadline is None:
+        deadline = time.monotonic() + timeout_s
     while True:
         with socket.socket(family, kind, proto) as probe:
             probe.settimeout(max(min(1.0, deadline - time.monotonic()), 0.001))
             try:
                 probe.connect(sockaddr)
                 return
+            except (ConnectionResetError, ConnectionAbortedError):
+                return  # something listens, and reset the probe: the handshake tells what it is
             except ConnectionRefusedError:
                 pass
             except OSError as e:

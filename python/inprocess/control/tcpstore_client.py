@@ -93,6 +93,7 @@ __all__ = [
     "MAX_VALUE_BYTES",
     "StoreConnectionError",
     "StoreError",
+    "StoreHandshakeClosedError",
     "StoreProtocolError",
     "StoreTimeoutError",
     "TCPStoreClient",
@@ -115,6 +116,11 @@ class StoreTimeoutError(StoreError, builtins.TimeoutError):
 
 class StoreConnectionError(StoreError, ConnectionError):
     """The connection to the store server could not be opened, was lost or was closed."""
+
+
+class StoreHandshakeClosedError(StoreConnectionError):
+    """The server closed or reset the connection before it answered the handshake:
+    what a server that is going away does (not a silent listener: that times out)."""
 
 
 class StoreProtocolError(StoreError):
@@ -384,9 +390,14 @@ class TCPStoreClient:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = sock.recv(4 - len(reply))
                 if not chunk:
-                    raise StoreConnectionError("connection closed by the peer")
+                    raise StoreHandshakeClosedError("connection closed by the peer")
                 reply += chunk
-        except (StoreConnectionError, OSError) as e:
+        except (StoreHandshakeClosedError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as e:
+            raise StoreHandshakeClosedError(
+                f"the store server at {self.address} closed the connection in the handshake: {e} "
+                "(it is going away, or what listens there is not a torch TCPStore server)"
+            ) from e
+        except OSError as e:
             raise StoreConnectionError(
                 f"the store server at {self.address} did not complete the handshake within "
                 f"{self._connect_timeout:g}s: {e} (is a torch TCPStore server listening there?)"
