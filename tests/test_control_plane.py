@@ -245,6 +245,13 @@ def rank_threads(
     return [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n) if r != dead_rank]
 
 
+def read_barrier_0(protocols: dict[int, tuple[RestartProtocol, RestartProtocol]]) -> None:
+    """As in a job, each rank's main side read barrier 0's decision (term 0): the leader of
+    barrier 1 knows which of barrier 0's keys to delete without asking the store."""
+    for _, main in protocols.values():
+        main.terms.saw(0, 0)
+
+
 def agreed_decision(decisions: dict[int, Optional[Decision]]) -> Decision:
     """The decision every rank holds; fails if two ranks hold different ones."""
     firsts = {d.to_json() for d in decisions.values() if d is not None}
@@ -263,6 +270,7 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
         store.set(RestartProtocol(store).seat_key(r), "0")
     views = {r: (CountingView(store), CountingView(store)) for r in range(n)}
     protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
+    read_barrier_0(protocols)
     decisions: dict[int, Optional[Decision]] = {}
     errors: list[BaseException] = []
 
@@ -341,6 +349,7 @@ def one_restart_on_nodes(
         for slot, r in enumerate(members):
             link = NodeLink(boards[k], slot)
             protocols[r] = (RestartProtocol(views[r][0], link=link), RestartProtocol(views[r][1], link=link))
+    read_barrier_0(protocols)
     decisions: dict[int, Optional[Decision]] = {}
     errors: list[BaseException] = []
     deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
@@ -416,9 +425,10 @@ def test_store_operations_per_rank_and_node_do_not_grow_with_n() -> None:
     for what, k in (("median ops per rank", 0), ("max ops per rank (the leader)", 1), ("ops per node", 2),
                     ("max ops per node", 3), ("the monitor's ops", 4)):
         assert large[k] <= small[k], f"{what} grew with N: {small[k]} at 16, {large[k]} at 64"
-    # All calls of the restart: at most 1 per rank + 4 per node + the leader's 13 more.
+    # All calls of the restart: at most 1 per rank + 4 per node + the leader's 14 more (its
+    # publish is a compare_set and an empty append: inprocess.control.leadership, "Cost").
     for n, figures in per_n.items():
-        assert figures[5] <= (n - 1) + 4 * (n // 8) + 13, (n, figures)
+        assert figures[5] <= (n - 1) + 4 * (n // 8) + 14, (n, figures)
 
 
 @pytest.mark.timeout(60)

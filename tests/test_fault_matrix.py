@@ -182,9 +182,10 @@ def phase_plan(kind: str, phase: str) -> str:
     return f"{trigger}{k}@rank=2,phase={phase}" + (f",{extra}" if extra else "")
 
 
-# The default run: every phase with an exception, and a death at entry, in abort and at the
-# barrier; the rest (and the leader's death, which waits barrier_timeout) are marked slow.
-DEFAULT_PHASE_CASES = {("exception", p) for p in PHASES} | {("sigkill", p) for p in ("entry", "abort", "barrier")}
+# The default run: every phase with an exception, and a death at entry, in abort, at the barrier
+# and of the barrier's leader; the rest are marked slow.
+DEFAULT_PHASE_CASES = {("exception", p) for p in PHASES} | {
+    ("sigkill", p) for p in ("entry", "abort", "barrier", "reassignment")}
 
 
 @pytest.mark.parametrize("kind, phase", [
@@ -200,14 +201,22 @@ def test_a_fault_on_entering_a_phase(tmp_path: pathlib.Path, kind: str, phase: s
             for r in range(4):
                 assert_survivor(res, r, 2, 4)
         elif kind == "sigkill":
-            # The leader dies after its arrival, before its decision: nobody can count it out (its
-            # seat is taken) and nobody else leads, so every rank leaves at barrier_timeout.
+            # The leader dies after its arrival, before its decision: its monitor ends the leader's
+            # term with a lost mark, another rank takes the lead over and barrier 2's own decision
+            # excludes the dead leader, with its death among the restart's faults.
             dead = [r for r in range(4) if res.returncodes[r] == -signal.SIGKILL]
             assert len(dead) == 1, res.returncodes
-            for r in set(range(4)) - set(dead):
-                log = res.rank(r)
-                assert res.returncodes[r] == 1 and log["exception"] == "TimeoutError", log
-                assert "barrier 2" in log["message"], log["message"]
+            survivors = sorted(set(range(4)) - set(dead))
+            for r in survivors:
+                restart = assert_survivor(res, r, 2, 3)["restarts"][-1]
+                assert restart["iteration"] == 1 and restart["terminated"] == dead, restart
+                lost = [f for f in restart["faults"] if f["rank"] == dead[0] and f["kind"] == "killed"]
+                assert [f["type"] for f in lost] == ["SIGKILL"], restart  # (rank 1 also lists its exception)
+            resumed = resume_s(res, survivors, 1, lost[0]["t_ns"])
+            assert resumed < 5, f"took {resumed:.2f}s from the leader's death to iteration 2"
+            report("sigkill on entering reassignment", outcome="the leader excluded, 3 finish",
+                   rcs=res.returncodes, resume_s=resumed, took_s=took)
+            return
         else:
             # A failing rank assignment (a KeyboardInterrupt too) ends the job on every rank: the leader,
             # which ran it, with the exception itself, the others with RestartAbort naming it.
@@ -240,6 +249,21 @@ def test_a_fault_on_entering_a_phase(tmp_path: pathlib.Path, kind: str, phase: s
         else:
             assert log["restarts"][0]["terminated"] == [2], log["restarts"]
     report(f"{kind} on entering {phase}", outcome="rank 2 leaves, 3 finish", rc=expected_rc, took_s=took)
+
+
+def test_every_leader_dies_in_turn(tmp_path: pathlib.Path) -> None:
+    """Barrier 2's leader is killed as it decides, and so is every rank that takes the lead over
+    after it (phase ``takeover``): each death hands the lead on, until the monitor of the last
+    healthy rank finds nobody left to decide and ends the job's keys, so that the store host
+    exits at once instead of waiting for the job's silence."""
+    plan = ("exception@rank=1,step=2,iteration=0|1;sigkill@rank=*,phase=reassignment,iteration=1;"
+            "sigkill@rank=*,phase=takeover,iteration=1")
+    start = time.monotonic()
+    res = run_matrix(tmp_path, plan, MATRIX_STEPS="12")
+    took = time.monotonic() - start
+    assert res.returncodes == [-signal.SIGKILL] * 4, (res.returncodes, res.describe()[-3000:])
+    assert "the job is gone" not in res.job.outputs()  # the store host saw ``done``, not the silence
+    report("sigkill of every leader of barrier 2 in turn", rcs=res.returncodes, took_s=took)
 
 
 # -- several ranks at once, and a second fault during a restart -------------------------------------

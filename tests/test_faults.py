@@ -607,7 +607,7 @@ def test_phase_names_match_the_wrappers_phases() -> None:
     from inprocess.faults import phases
 
     assert set(phases.WRAPPER_PHASES) <= set(_native.Phase.__members__)
-    assert set(phases.WRAPPER_PHASES.values()) | {"reassignment"} == set(faults.PHASES)
+    assert set(phases.WRAPPER_PHASES.values()) | {"reassignment", "takeover"} == set(faults.PHASES)
 
 
 def test_a_timed_hang_armed_outside_the_main_thread_is_refused() -> None:

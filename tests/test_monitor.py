@@ -287,20 +287,20 @@ def test_sigterm_stops_the_monitor_without_touching_the_store(rank_run: Any, sto
 
 @pytest.mark.timeout(60)
 def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> None:
-    """Died after counting itself in at barrier 3: the monitor waits for the
-    decision, reports a fault in iteration 3 and arrives at barrier 4. Its seat
-    says so; the page says nothing of it (the rank may die right after its add)."""
+    """Died after counting itself in at barrier 3, once barrier 3 had decided: the
+    monitor reports a fault in iteration 3 and arrives at barrier 4. Its seat says
+    so; the page says nothing of it (the rank may die right after its add)."""
     from inprocess.control.membership import Membership
     from inprocess.control.protocol import Decision
 
     p = RestartProtocol(store, 0)
     store.set(p.seat_key(1), "3")  # counted itself in at barrier 3
-    run = rank_run(phase="RESTART_BARRIER")
-    run.ready()
-    os.kill(run.proc.pid, signal.SIGKILL)
     membership = Membership.all_active(4)
     membership.terminate({2})
     p.publish_decision(Decision(3, membership, [2], [], 0, leader=0))
+    run = rank_run(phase="RESTART_BARRIER")
+    run.ready()
+    os.kill(run.proc.pid, signal.SIGKILL)
     assert run.wait_monitor(10) == EXIT_OK, run.log()
     run.wait_rank(10)
     assert not store.check(["inprocess/0/3/terminated"])  # no double arrival at barrier 3
@@ -308,6 +308,58 @@ def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> 
     assert [(f.rank, f.kind) for f in faults] == [(1, "killed")]
     assert _arrivals(store, 4) == TERMINATED_UNIT
     assert store.get("inprocess/0/4/terminated") == b"1,"
+
+
+@pytest.mark.timeout(60)
+def test_the_leader_dead_before_its_decision_is_excluded_by_it(rank_run: Any, store: Any) -> None:
+    """Rank 1 arrived first at barrier 3 (so it leads) and dies before it decided:
+    its monitor ends the leader's term with a lost mark, which wakes the three
+    ranks waiting for the decision; one of them takes the lead over and barrier
+    3's own decision excludes rank 1, with the monitor's fault record in it."""
+    import threading
+
+    from inprocess.compose import Compose
+    from inprocess.control.membership import Membership
+    from inprocess.control.protocol import Decision
+    from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
+
+    p = RestartProtocol(store, 0)
+    p.publish_decision(Decision(2, Membership.all_active(4), [], [], 0, leader=0))  # expected at barrier 3: 4
+    for r in range(4):
+        store.set(p.seat_key(r), "2")
+    assert p.arrive(3, 1, 4) == (1, 0, False)  # rank 1 first: the leader
+    run = rank_run(phase="RESTART_BARRIER")
+    run.ready()
+
+    def decide_fn(dead: set[int], faults: list[Any], leader: int) -> Decision:
+        return decide(Compose(ActivateAllRanks(), ShiftRanks()), Membership.all_active(4), dead, faults, 3, leader)
+
+    got: dict[int, Any] = {}
+
+    def waiter(r: int) -> None:
+        try:
+            got[r] = RestartProtocol(store.clone(), 0).barrier(3, r, 4, decide=decide_fn, timeout=20)
+        except Exception as e:  # reported below
+            got[r] = e
+
+    threads = [threading.Thread(target=waiter, args=(r,)) for r in (0, 2, 3)]
+    for t in threads:
+        t.start()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(25)
+    assert run.wait_monitor(10) == EXIT_OK, run.log()
+    run.wait_rank(10)
+    decisions = [got[r] for r in (0, 2, 3)]
+    assert all(isinstance(d, Decision) for d in decisions), (decisions, run.log())
+    assert len({d.to_json() for d in decisions}) == 1
+    d = decisions[0]
+    assert d.term == 1 and d.leader in (0, 2, 3) and d.terminated == [1] and d.membership.world_size == 3
+    assert [(f.rank, f.kind, f.type) for f in d.faults] == [(1, "killed", "SIGKILL")]
+    assert "phase RESTART_BARRIER" in d.faults[0].message
+    assert store.get(p.seat_key(1)) == b"t3:m1"  # counted out at barrier 3 itself, by its monitor
+    assert not store.check(["inprocess/0/4/arrivals"])  # nothing waits at barrier 4 for it
+    assert "counted rank 1 out at barrier 3" in run.log()
 
 
 @pytest.mark.timeout(60)

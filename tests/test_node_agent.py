@@ -20,7 +20,8 @@ from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
-from inprocess.control.protocol import RestartProtocol
+from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol
+from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.processes.node_agent import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
@@ -80,6 +81,29 @@ def test_ranks_go_on_without_their_killed_node_agent(job):
     _check_one_agent_per_node(res)
     # Node 0's agent counted its ranks at the restart; node 1's ranks counted themselves.
     assert [res.rank(r)["iterations"][-1]["forwarded"] for r in range(6)] == [1, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_leader_of_the_initial_barrier_is_replaced_through_the_node_agents(job):
+    # The initial barrier's leader (whichever rank its agent named) is killed as it decides:
+    # its monitor's lost mark reaches the other ranks through their agents' boards, one of
+    # them takes the lead over at the store, and the job starts with the 5 others.
+    res = job({"steps": 6, "wrapper": AGENT}, **NODES, env={"INPROCESS_FAULTS": "sigkill@rank=*,phase=reassignment"})
+    dead = [r for r in range(6) if res.returncodes[r] == -9]
+    assert len(dead) == 1, res.describe()
+    for r in set(range(6)) - set(dead):
+        log = res.rank(r)
+        assert res.returncodes[r] == 0, res.describe()
+        assert log["result"]["iteration"] == 0 and log["iterations"][0]["world_size"] == 5, log
+        assert log["restarts"] == [], log  # excluded by barrier 0's own decision: nothing restarted
+    survivors = sorted(set(range(6)) - set(dead))
+    _check_one_agent_per_node_of(res, survivors)
+
+
+def _check_one_agent_per_node_of(res, ranks) -> None:  # type: ignore[no-untyped-def]
+    for node in ([r for r in ranks if r < 3], [r for r in ranks if r >= 3]):
+        agents = _agents(res, node)
+        assert len(agents) == 1 and None not in agents, agents
 
 
 @pytest.mark.timeout(60)
@@ -206,3 +230,49 @@ def test_the_event_comes_from_the_board_and_from_the_store_once_the_board_closed
     assert t.ranks[1].wait_event(0, 5) == "restart" and t.ranks[1].ops == ops  # no store call
     t.boards[1].close()
     assert t.ranks[2].wait_event(0, 5) == "restart" and t.ranks[2].ops == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_named_by_its_agent_and_lost_is_replaced_by_a_rank_at_the_store():
+    """Rank 2 (slot 0 of node 1) leads barrier 1 as its agent named it, and dies before it
+    decided. Its monitor's lost mark comes to both boards as the barrier's outcome; the other
+    ranks then follow the barrier's terms at the store, where one takes the lead over."""
+    t = TwoNodes()
+    for r in (3, 2):
+        t.ranks[r].post_arrival(1, r, 4)
+    t.relays[1].forward(t.relay_protocols[1])
+    for r in (0, 1):
+        t.ranks[r].post_arrival(1, r, 4)
+    t.relays[0].forward(t.relay_protocols[0])
+    assert t.boards[1].leads(0) == 1  # rank 2 leads barrier 1 ... and dies now
+    got: dict[str, object] = {}
+
+    def run(name: str, fn) -> threading.Thread:  # type: ignore[no-untyped-def]
+        def body() -> None:
+            try:
+                got[name] = fn()
+            except Exception as e:  # reported below
+                got[name] = e
+
+        thread = threading.Thread(target=body, name=name)
+        thread.start()
+        return thread
+
+    threads = [run(f"relay {n}", lambda n=n: t.relays[n].relay_decision(t.relay_protocols[n], 1, lambda: False))
+               for n in (0, 1)]
+    threads += [run(f"rank {r}", lambda r=r: t.ranks[r].await_outcome(1, r, 4, decide=t.decide_fn, timeout=10))
+                for r in (0, 1, 3)]
+    monitor = RestartProtocol(TCPStoreClient("127.0.0.1", t.server.port, timeout=10))
+    fault = FaultRecord(2, 0, "killed", "SIGKILL", "rank 2 died leading barrier 1")
+    assert monitor.count_out(2, lambda i: fault, lambda b: 4, timeout=10, who="m2") == 1
+    for thread in threads:
+        thread.join(15)
+    decisions = [got[f"rank {r}"] for r in (0, 1, 3)]
+    assert all(isinstance(d, Decision) for d in decisions), got
+    assert len({d.to_json() for d in decisions}) == 1  # type: ignore[attr-defined]
+    d = decisions[0]
+    assert d.term == 1 and d.terminated == [2] and d.leader in (0, 1, 3)  # type: ignore[attr-defined]
+    assert [f.rank for f in d.faults] == [2]  # type: ignore[attr-defined]
+    assert got["relay 0"] is True and got["relay 1"] is True, got
+    for board in t.boards:  # each agent posted the final decision after the mark
+        assert board.read_decision()[1] == d.to_json().encode()  # type: ignore[attr-defined]

@@ -4,9 +4,9 @@ One restart, as the wrapper does it (``inprocess/engine/trigger.py``, the
 call wrapper, ``inprocess/processes/monitor.py`` and ``node_agent.py``):
 
 0. setup, not measured: every rank's seat (``inprocess/<call>/seat/<r>``) is
-   written "0" with ``multi_set``, as the job's initial barrier (barrier 0)
-   leaves it, and every monitor's heartbeat counter exists; the simulated
-   restarts then go through barriers 1, 2, ...;
+   written "0" with ``multi_set`` and barrier 0's decision is out, as the
+   job's initial barrier leaves them, and every monitor's heartbeat counter
+   exists; the simulated restarts then go through barriers 1, 2, ...;
 1. steady state: direct mode: every rank's restart trigger blocks in
    ``wait_event(i)``; node mode: every node agent blocks in
    ``relay_event(i)`` (the same blocking get, once per node) and every
@@ -215,7 +215,7 @@ class SimJob:
         # A real monitor reads the previous barrier's decision for the expected
         # count (one blocking get); the simulator knows it.
         barrier = monitor.count_out(rank, fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
-                                    who=f"m{rank}")
+                                    who=f"m{rank}", in_barrier=False)  # its page would say: RUNNING
         if barrier != restart + 1:
             raise RuntimeError(f"rank {rank} was counted out at barrier {barrier}, expected {restart + 1}")
         after = tally.snapshot()
@@ -249,14 +249,18 @@ class SimJob:
         """Setup, not measured, then every group armed for iteration 0.
 
         A real job's initial barrier (barrier 0) leaves every rank's seat at
-        "0"; the simulated restarts start at barrier 1 and need that state.
-        Every monitor's counter exists (a monitor creates it when it starts,
-        before its rank's first barrier). Both written with ``multi_set`` over
-        the control connection, outside any rank's tally and before the first
-        steady-state window.
+        "0" and its decision (every rank active) out, read by every rank; the
+        simulated restarts start at barrier 1 and need that state. Every
+        monitor's counter exists (a monitor creates it when it starts, before
+        its rank's first barrier). All written over the control connection,
+        outside any rank's tally and before the first steady-state window.
         """
         seats = RestartProtocol(None, self.call)
         self._seed([seats.seat_key(r) for r in range(self.lo, self.hi)], "0")
+        initial = Decision(0, Membership.all_active(self.n), [], [], 0, leader=0)
+        self.conns.control.set(seats.key(0, "decision"), initial.to_json())  # the same bytes from every process
+        for rs in self.sims.values():
+            rs.main.terms.saw(0, initial.term)
         self._seed([monitor_heartbeat_key(self.call, r) for r in range(self.lo, self.hi)], "1")
         for g in self.groups:
             g.thread.start()

@@ -180,6 +180,8 @@ class SharedStore:
         t = self._t
         t.out += 1 + key_bytes(key) + 8 + len(e) + 8 + len(d)
         t.inb += 8 + len(out)
+        if out == d:  # the leader published the decision (compare_set: the first writer wins)
+            self._saw(key, out)
         return out
 
     def check(self, keys: list[str]) -> bool:

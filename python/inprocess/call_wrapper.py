@@ -406,7 +406,8 @@ class CallWrapper:
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         return self._assignment.decide(
-            self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology
+            self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology,
+            takeover=self._runtime.protocol.lead_term > 0,
         )
 
     def _read_topology(self) -> list[list[list[str]]]:

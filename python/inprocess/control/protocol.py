@@ -19,7 +19,10 @@ incarnation, :mod:`inprocess.control.incarnation`):
                        arriving terminated (itself, or its monitor for it)
 ``<i>/ready``          set by whoever completes the count of barrier i
 ``<i>/terminated``     "r," per terminated initial rank (append)
-``<i>/decision``       the membership of iteration i (JSON, written once)
+``<i>/decision``       the membership of iteration i (JSON, written once by
+                       compare_set), or a lost mark: its leader was lost first
+``<i>/decision.<t>``   the outcome of term t, after t leaders were lost, and
+``<i>/lead.<t>``       who leads term t: :mod:`inprocess.control.leadership`
 ``<i>/left``           counter of ranks that left after completion
 ``<i>/given_up``       counter of arrivals that stopped waiting for barrier i
 ``seat/<r>``           the last barrier initial rank r was counted at: "b"
@@ -45,9 +48,12 @@ i. Every arrival is one ``add`` that returns (healthy, terminated) so far. The
 first healthy arriver is the leader; the arrival that completes the count
 (healthy or not) sets ``ready``. The leader waits for ``ready``, reads the
 terminated ranks (only if any) and the faults of iteration i-1, runs the rank
-assignment once, writes the decision and deletes the keys of iteration i-1.
+assignment once, publishes the decision and deletes the keys of iteration i-1.
 Only a healthy training rank can lead: a monitor process, arriving for a dead
-rank, holds no rank assignment (and must not: no code crosses the store).
+rank, holds no rank assignment (and must not: no code crosses the store). A
+leader lost before its decision is out is excluded by barrier i's own
+decision, which another healthy rank takes over
+(:mod:`inprocess.control.leadership`: terms, lost marks, claims).
 
 With node agents (:mod:`inprocess.processes.node_agent`), a rank's event and barrier
 outcome come from its node's board instead: the agent waits for the event
@@ -72,7 +78,9 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from ..exception import InternalError, TimeoutError
+from .counting_out import count_out
 from .incarnation import call_prefix
+from .leadership import Terms, decide_barrier, parse_lost_mark
 from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
@@ -139,6 +147,12 @@ class RestartProtocol:
         self.link = link
         # Where the seats are, to name the ranks a barrier misses (unknown: not named).
         self.initial_world_size = initial_world_size
+        # Given the prefix, not self.key: no reference cycle, so that the connection
+        # closes as soon as the protocol is dropped (tests count descriptors).
+        self.terms = Terms(self.counted, self.prefix)
+        # While a decide function runs here: the term it decides (0: the barrier's first leader,
+        # t > 0: the t-th to take the lead over), for a decide function that cares (fault injection).
+        self.lead_term = 0
 
     @property
     def store(self) -> Any:
@@ -277,39 +291,10 @@ class RestartProtocol:
         *,
         timeout: float,
         who: str,
+        in_barrier: bool = True,
     ) -> Optional[int]:
-        """Count ``initial_rank`` out of the job on its behalf (it died, or was lost).
-
-        ``who`` names the caller uniquely among everybody who may count this
-        rank out ("m<r>" for the monitor of rank r): the seat records it, and
-        only the caller that reads its own name back won the seat.
-
-        At the first barrier it has not been counted at: ``fault(i)`` is
-        recorded for iteration i = barrier - 1 and its restart requested;
-        ``expected_at(b)`` is the number of ranks barrier b counts, or None when
-        the rank is not a member there (nothing to do). Returns the barrier, or
-        None when somebody else counted the rank out, or it is no member, or the
-        iteration had completed (then this leaves on the rank's behalf).
-        """
-        for _ in range(64):
-            seat = self.read_seat(initial_rank)
-            if seat is not None and seat.startswith("t"):
-                return None
-            barrier = 0 if seat is None else int(seat) + 1
-            expected = expected_at(barrier)
-            if expected is None:
-                return None
-            claim = f"t{barrier}:{who}"
-            if self.counted.compare_set(self.seat_key(initial_rank), seat or "", claim).decode() != claim:
-                continue  # the rank (or another declarer) moved the seat meanwhile: look again
-            if barrier > 0:
-                self.record_fault(fault(barrier - 1))
-                if not self.request_restart(barrier - 1):
-                    self.leave(barrier - 1, expected)
-                    return None
-            self.barrier(barrier, initial_rank, expected, terminated=True, timeout=timeout, seat_taken=True)
-            return barrier
-        raise InternalError(f"rank {initial_rank}: its seat kept moving while it was counted out")
+        """Count ``initial_rank`` out of the job on its behalf: :func:`inprocess.control.counting_out.count_out`."""
+        return count_out(self, initial_rank, fault, expected_at, timeout=timeout, who=who, in_barrier=in_barrier)
 
     # -- barrier ------------------------------------------------------------
 
@@ -343,6 +328,15 @@ class RestartProtocol:
     def _set_ready(self, iteration: int) -> None:
         self.counted.set(self.key(iteration, "ready"), "1")
 
+    def count(self, iteration: int) -> tuple[int, int]:
+        """(healthy, terminated) arrivals at barrier ``iteration`` so far: one ``add`` of 0."""
+        value = self.counted.add(self.key(iteration, "arrivals"), 0)
+        return value & COUNT_MASK, value >> 32
+
+    def wait_ready(self, iteration: int, deadline: Deadline) -> None:
+        """Until the arrival that completed barrier ``iteration``'s count (unless the first leader's) set ``ready``."""
+        self.counted.wait_key(self.key(iteration, "ready"), deadline.remaining(), f"barrier {iteration} (leader)")
+
     def read_terminated(self, iteration: int, count: int) -> set[int]:
         if count == 0:
             return set()
@@ -361,18 +355,34 @@ class RestartProtocol:
         raw = self.counted.compare_set(self.key(iteration, "faults"), "", "").decode()
         return FaultRecord.parse_lines(raw, iteration)
 
-    def publish_decision(self, decision: Decision) -> None:
-        self.counted.set(self.key(decision.iteration, "decision"), decision.to_json())
+    def publish_decision(self, decision: Decision) -> bool:
+        """Publish ``decision`` in its term; False when the term was marked lost first."""
+        encoded = decision.to_json()
+        return self.terms.write(decision.iteration, decision.term, encoded) == encoded.encode()
 
     def wait_decision_raw(
-        self, iteration: int, timeout: Optional[float], *, cancelled: Optional[Callable[[], bool]] = None
+        self, iteration: int, timeout: Optional[float], *, cancelled: Optional[Callable[[], bool]] = None,
+        on_lost: Optional[Callable[[bytes], None]] = None,
     ) -> bytes:
-        """The encoded decision of barrier ``iteration``, once it is published."""
-        key = self.key(iteration, "decision")
-        return self.counted.get_blocking(key, timeout, f"barrier {iteration}", cancelled=cancelled)
+        """The encoded decision of barrier ``iteration``, once it is published,
+        following its terms past lost leaders (``on_lost(mark)`` for each mark)."""
+        deadline = Deadline(timeout)
+        term = 0
+        while True:
+            raw = self.terms.wait(iteration, term, deadline, cancelled=cancelled)
+            if parse_lost_mark(raw) is None:
+                return raw
+            if on_lost is not None:
+                on_lost(raw)
+            term += 1
 
     def wait_decision(self, iteration: int, timeout: float) -> Decision:
-        return Decision.from_json(self.wait_decision_raw(iteration, timeout))
+        return self._decided(Decision.from_json(self.wait_decision_raw(iteration, timeout)))
+
+    def _decided(self, decision: Decision) -> Decision:
+        """A decision read here, from the store or a node board: its term's keys are known to exist."""
+        self.terms.saw(decision.iteration, decision.term)
+        return decision
 
     def barrier(
         self,
@@ -411,7 +421,7 @@ class RestartProtocol:
         out its idle timeout, and a host rank waiting for it is not held."""
         try:
             given_up = self.counted.add(self.key(iteration, "given_up"), 1)
-            healthy = self.counted.add(self.key(iteration, "arrivals"), 0) & COUNT_MASK
+            healthy = self.count(iteration)[0]
             if given_up >= healthy:
                 self.finish_job(iteration)
         except Exception as e:  # the store is gone: nothing left to end
@@ -440,19 +450,20 @@ class RestartProtocol:
             if complete and healthy == 0:
                 self.finish_job(iteration)
             return None
+        deadline = Deadline(timeout)
         if healthy != 1:
-            return self.wait_decision(iteration, timeout)
-        return self._lead(iteration, initial_rank, dead=dead if complete else None, decide=decide, timeout=timeout)
+            return decide_barrier(self, iteration, initial_rank, expected, decide, deadline)
+        return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=True,
+                             dead=dead if complete else None)
 
     def describe_arrivals(self, iteration: int, expected: int, *, limit: int = 8) -> str:
         """"barrier i: 3 of 4 ranks arrived; missing initial rank 3": who a barrier
         still waits for. Reads the seats (one request each) only until ``limit``
         missing ranks are named: for the error of a barrier that timed out."""
         try:
-            value = self.counted.add(self.key(iteration, "arrivals"), 0)
+            arrived = sum(self.count(iteration))
         except Exception as e:  # the store is gone: say so instead
             return f"barrier {iteration}: the arrivals cannot be read ({type(e).__name__}: {e})"
-        arrived = (value & COUNT_MASK) + (value >> 32)
         text = f"barrier {iteration}: {arrived} of {expected} ranks arrived"
         if arrived >= expected or self.initial_world_size is None:
             return text
@@ -472,23 +483,6 @@ class RestartProtocol:
             text += f"; missing initial rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
             text += f" and {more} more" if more > 0 else ""
         return text
-
-    def _lead(
-        self, iteration: int, initial_rank: int, *, dead: Optional[int], decide: Optional[DecideFn], timeout: float
-    ) -> Decision:
-        """The leader's part: ``dead`` is the terminated count when the leader's
-        own arrival completed the barrier, else None (wait for ``ready``)."""
-        if decide is None:
-            raise InternalError(f"barrier {iteration}: rank {initial_rank} leads but was given no decide function")
-        if dead is None:
-            self.counted.wait_key(self.key(iteration, "ready"), timeout, f"barrier {iteration} (leader)")
-            dead = self.counted.add(self.key(iteration, "arrivals"), 0) >> 32
-        decision = decide(self.read_terminated(iteration, dead), self.read_faults(iteration - 1), initial_rank)
-        self.publish_decision(decision)
-        self.delete_iteration(iteration - 1)
-        if decision.membership.world_size == 0:
-            self.finish_job(iteration)
-        return decision
 
     # -- the node board (inprocess.processes.node_agent) ----------------------
 
@@ -530,24 +524,25 @@ class RestartProtocol:
 
         outcome = wait_in_chunks(attempt, deadline, f"barrier {iteration} decision", "node board",
                                  chunk_s=NODE_POLL_S, go_on=link.alive)
-        remaining = max(deadline.remaining() or 0.0, 0.0)
         if outcome == OUTCOME_LEAD:
-            return self._lead(iteration, initial_rank, dead=None, decide=decide, timeout=remaining)
+            return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=True)
         if outcome == OUTCOME_DECIDED:
             posted = link.read_decision()
-            if posted is not None and posted[0] == iteration and posted[1] is not None:
-                return Decision.from_json(posted[1])
-            return self.wait_decision(iteration, remaining)  # too large for the board
+            if (posted is not None and posted[0] == iteration and posted[1] is not None
+                    and parse_lost_mark(posted[1]) is None):
+                return self._decided(Decision.from_json(posted[1]))
+            # Too large for the board, or a lost mark: the terms are followed at the store.
+            return decide_barrier(self, iteration, initial_rank, expected, decide, deadline)
         # The agent is gone.
         if link.forwarded() < iteration:
+            remaining = max(deadline.remaining() or 0.0, 0.0)
             decision = self.barrier(
                 iteration, initial_rank, expected, decide=decide, timeout=remaining, seat_taken=True
             )
             assert decision is not None  # a healthy arrival always returns the decision
             return decision
-        if link.leads() == iteration:
-            return self._lead(iteration, initial_rank, dead=None, decide=decide, timeout=remaining)
-        return self.wait_decision(iteration, remaining)
+        leads = link.leads() == iteration
+        return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=leads)
 
     # -- leaving --------------------------------------------------------------
 
@@ -593,6 +588,7 @@ class RestartProtocol:
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:
             self._delete(self.key(iteration, name) for name in self._ITERATION_KEYS)
+            self.terms.delete(iteration)
 
     def _delete(self, keys: Iterable[str]) -> None:
         for key in keys:

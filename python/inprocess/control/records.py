@@ -120,25 +120,26 @@ class Decision:
     t_ns: int = 0
     host: str = HOST
     assignment_ns: int = 0  # how long the rank assignment took on the leader
+    term: int = 0  # 0: decided by the barrier's first leader; t > 0: by the t-th to take the lead over
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "i": self.iteration,
-                "n": self.membership.initial_world_size,
-                "ws": self.membership.world_size,  # lets a node agent see the job's end without decoding runs
-                "runs": self.membership.encode(),
-                "terminated": self.terminated,
-                "faults": [dataclasses.asdict(f) for f in self.faults[:MAX_FAULTS_IN_DECISION]],
-                "n_faults": self.n_faults,
-                "leader": self.leader,
-                "abort": self.abort,
-                "t_ns": self.t_ns,
-                "host": self.host,
-                "assignment_ns": self.assignment_ns,
-            },
-            separators=(",", ":"),
-        )
+        fields: dict[str, Any] = {
+            "i": self.iteration,
+            "n": self.membership.initial_world_size,
+            "ws": self.membership.world_size,  # lets a node agent see the job's end without decoding runs
+            "runs": self.membership.encode(),
+            "terminated": self.terminated,
+            "faults": [dataclasses.asdict(f) for f in self.faults[:MAX_FAULTS_IN_DECISION]],
+            "n_faults": self.n_faults,
+            "leader": self.leader,
+            "abort": self.abort,
+            "t_ns": self.t_ns,
+            "host": self.host,
+            "assignment_ns": self.assignment_ns,
+        }
+        if self.term:  # only after a takeover (inprocess.control.leadership): a plain decision is unchanged
+            fields["term"] = self.term
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
@@ -161,6 +162,8 @@ class Decision:
                 t_ns=field_int(d, "t_ns"),
                 host=field_str(d, "host"),
                 assignment_ns=field_int(d, "assignment_ns", 0) if "assignment_ns" in d else 0,
+                # Each term after the first needs a rank of the job lost: never more terms than ranks.
+                term=field_int(d, "term", 0, n) if "term" in d else 0,
             )
         except (ValueError, KeyError, TypeError, InternalError) as e:
             raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e

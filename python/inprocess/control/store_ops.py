@@ -183,7 +183,10 @@ class CountingStore:
 
         One ``compare_set`` whose expected and desired values are the same
         absent-marker: it never changes an existing value and creates no key
-        (a ``get`` would be two requests on the TCPStore wire).
+        (a ``get`` would be two requests on the TCPStore wire). Not for a key
+        that may be missing while somebody waits for it: on a missing key,
+        torch 2.13's libuv server wakes the key's waiters, whose ``get`` then
+        answers b"" (``check`` wakes nobody).
         """
         value = self.compare_set(key, ABSENT, ABSENT)
         return None if value == ABSENT.encode() else value

@@ -20,7 +20,7 @@ Two ways in:
   when the iteration ends;
 * ``enter_phase(...)``, called by the wrapper at each phase change, fires the
   ``phase=NAME`` faults (a fault during the entry, or a restart's abort,
-  finalize, health check, barrier or reassignment).
+  finalize, health check, barrier, reassignment or a takeover of the lead).
 
 GPU faults (``gpu_error``, ``gpu_sleep``) need a CUDA device and raise
 :class:`FaultUnavailable` on a rank they are due on without one.

@@ -12,6 +12,7 @@ The compact text form (what ``INPROCESS_FAULTS`` holds)::
     DELAY    := DURATION  |  DURATION ".." DURATION
     ITERATIONS := INT ("|" INT)*  |  "*"          (default 0: the first iteration only)
     PHASE    := "entry" | "initialize" | "abort" | "finalize" | "health_check" | "barrier" | "reassignment"
+              | "takeover"
     DURATION := DIGITS ["." DIGITS] ("ms" | "s" | "m" | "h")
 
 ``rank`` and exactly one of ``step``, ``after`` or ``phase`` are required.
@@ -79,6 +80,7 @@ PHASES = {
     "health_check": "the restart's health check is about to run",
     "barrier": "the rank arrives at the restart barrier",
     "reassignment": "the barrier's leader (only) computes the decision, before the rank assignment runs",
+    "takeover": "a rank that took the lead over from a leader lost before its decision computes it instead",
 }
 
 

@@ -60,6 +60,8 @@ _FOREVER_S = 10 * 365 * 24 * 3600.0
 _MARK_GONE_CONNECT_S = 2.0  # a monitor that must reconnect to say it leaves does not wait longer
 _FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
 _BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
+# Where a rank may be counted healthy at a barrier whose decision is not out (it may lead it).
+_IN_BARRIER = (_native.Phase.INITIAL_BARRIER, _native.Phase.RESTART_BARRIER)
 
 log = logging.getLogger("inprocess.processes.monitor")
 
@@ -400,15 +402,20 @@ class Monitor:
             return EXIT_OK
         log.warning("rank %d: %s (%s, %s)", self.rank, message, kind, type_)
         try:
-            self.count_out(self.rank, kind, type_, message)
+            self.count_out(self.rank, kind, type_, message, in_barrier=phase in _IN_BARRIER)
         except Exception as e:
             log.error("rank %d: could not update the store: %s: %s", self.rank, type(e).__name__, e)
             return EXIT_STORE
         return EXIT_OK
 
-    def count_out(self, rank: int, kind: str, type_: str, message: str, store: Any = None) -> Optional[int]:
+    def count_out(
+        self, rank: int, kind: str, type_: str, message: str, store: Any = None, *, in_barrier: bool = True
+    ) -> Optional[int]:
         """Count ``rank`` out at the first barrier it has not been counted at
-        (its seat says which), recording the fault and requesting the restart."""
+        (its seat says which), recording the fault and requesting the restart;
+        or, lost inside a barrier before its decision (perhaps leading it), by
+        that barrier's decision. ``in_barrier`` False: its page says it had
+        left its last barrier (unknown for a peer: True)."""
 
         def fault(iteration: int) -> FaultRecord:
             return FaultRecord(rank, iteration, kind, type_, message, t_ns=time.monotonic_ns())
@@ -428,7 +435,8 @@ class Monitor:
 
         try:
             barrier = protocol.count_out(
-                rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}"
+                rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}",
+                in_barrier=in_barrier,
             )
         finally:
             if store is not None:

@@ -9,7 +9,9 @@ per node carries the traffic:
 
 * the **broadcast** thread waits, with one blocking ``get`` each, for the
   decision of barrier b and then for the event of iteration b, and posts both
-  on the board, where the ranks' waits (futexes, no GIL held) see them;
+  on the board, where the ranks' waits (futexes, no GIL held) see them (a
+  barrier whose leader was lost posts its lost mark first, which sends the
+  node's ranks to the store to take the lead over);
 * the **forward** thread turns the arrivals that ranks post on the board into
   one ``add`` per batch (usually one per node and barrier), names the batch's
   lowest slot the leader when the batch holds the barrier's first healthy
@@ -93,8 +95,17 @@ class NodeRelay:
         return n
 
     def relay_decision(self, p: RestartProtocol, barrier: int, cancelled: Callable[[], bool]) -> bool:
-        """Post barrier ``barrier``'s decision; False when it ends the job."""
-        raw = p.wait_decision_raw(barrier, None, cancelled=cancelled)
+        """Post barrier ``barrier``'s decision; False when it ends the job.
+
+        A lost mark (its leader was lost: :mod:`inprocess.control.leadership`)
+        is posted as it comes: the node's ranks that read it follow the
+        barrier's next terms at the store, where one of them may take the lead.
+        """
+
+        def post_mark(mark: bytes) -> None:
+            self.board.post_decision(barrier, mark)
+
+        raw = p.wait_decision_raw(barrier, None, cancelled=cancelled, on_lost=post_mark)
         self.board.post_decision(barrier, raw)
         head = json.loads(raw)
         return head.get("abort") is None and int(head.get("ws", 1)) > 0

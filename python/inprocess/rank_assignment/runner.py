@@ -59,13 +59,21 @@ class AssignmentRunner:
         *,
         state: State,
         read_topology: Callable[[], TopologyTable],
+        takeover: bool = False,
     ) -> Decision:
-        """The decision of the barrier that follows the leader's current iteration (``state``)."""
+        """The decision of the barrier that follows the leader's current iteration (``state``).
+
+        ``takeover``: this rank took the lead over from a leader lost before
+        its decision was out (:mod:`inprocess.control.leadership`).
+        """
         iteration = 0 if previous is None else state.iteration + 1
         table = initial_membership(state.initial_world_size) if previous is None else previous
-        def enter_reassignment() -> None:  # INPROCESS_FAULTS: phase=reassignment, on the leader only
-            faults.enter_phase("reassignment", state.initial_rank, state.initial_world_size, state.iteration,
-                               state.mode)
+        # A deposed leader's failed hook is not this decision's.
+        self._failures.clear()
+
+        def enter_reassignment() -> None:  # INPROCESS_FAULTS: phase=reassignment (or takeover), on the leader only
+            faults.enter_phase("takeover" if takeover else "reassignment", state.initial_rank,
+                               state.initial_world_size, state.iteration, state.mode)
 
         return decide(
             self.rank_assignment, table, dead, records, iteration, leader, self.topology(read_topology),

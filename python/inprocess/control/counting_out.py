@@ -1,0 +1,116 @@
+"""Counting a rank out of the job on its behalf: by its monitor when it died,
+by a peer's monitor when it was lost, or by the rank itself when it leaves
+before it joined (:func:`inprocess.engine.leave.count_out_before_joining`).
+
+Where the rank's seat (:mod:`inprocess.control.protocol`) says it stands:
+
+* seat "b-1" (or none, b = 0): it has not arrived at barrier b. It is counted
+  there as a terminated arrival, after its fault was recorded for iteration
+  b-1 and that iteration's restart requested.
+* seat "b" with barrier b decided: it took part in iteration b, so it is
+  counted out of barrier b+1 the same way.
+* seat "b" with no decision of barrier b out yet: it arrived healthy and was
+  lost inside the barrier, perhaps as its leader. Its lost mark ends the
+  barrier's current term, so that another rank decides barrier b without it
+  (:mod:`inprocess.control.leadership`). Should the decision come out before
+  the mark, with the rank in it, it is counted out of barrier b+1 instead.
+
+Every path moves the seat with one compare_set first, to a value only this
+caller writes ("t<barrier>:<who>"), so that however many declare a rank lost
+at once, it is counted out once. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol
+
+from ..exception import InternalError
+from .leadership import RestartStore, mark_lost
+from .records import FaultRecord
+from .store_ops import CountingStore
+
+# Attempts to claim a seat that others keep moving (each move is a real arrival or claim: few).
+_SEAT_ATTEMPTS = 64
+
+
+class CountingOutStore(RestartStore, Protocol):
+    """What counting out needs of :class:`inprocess.control.protocol.RestartProtocol`."""
+
+    counted: CountingStore
+
+    def seat_key(self, initial_rank: int) -> str: ...
+    def read_seat(self, initial_rank: int) -> Optional[str]: ...
+    def record_fault(self, record: FaultRecord) -> None: ...
+    def request_restart(self, iteration: int) -> bool: ...
+    def leave(self, iteration: int, world_size: int) -> None: ...
+    def barrier(self, iteration: int, initial_rank: int, expected: int, *, terminated: bool = ...,
+                timeout: float, seat_taken: bool = ...) -> Any: ...
+
+
+def count_out(
+    p: CountingOutStore,
+    initial_rank: int,
+    fault: Callable[[int], FaultRecord],
+    expected_at: Callable[[int], Optional[int]],
+    *,
+    timeout: float,
+    who: str,
+    in_barrier: bool = True,
+) -> Optional[int]:
+    """Count ``initial_rank`` out of the job on its behalf (module docstring: where).
+
+    ``who`` names the caller uniquely among everybody who may count this rank
+    out ("m<r>" for the monitor of rank r): the seat records it, and only the
+    caller that reads its own name back won the seat. ``fault(i)`` is the
+    rank's fault record for iteration i; ``expected_at(b)`` the number of
+    ranks barrier b counts, or None when the rank is not a member there
+    (nothing to do). Returns the barrier it was counted out at, or None when
+    somebody else counted it out, or it is no member, or the iteration had
+    completed (then this leaves on the rank's behalf). ``in_barrier`` False:
+    the caller knows that the rank had left its last barrier (its monitor reads
+    the phase on its heartbeat page), so that barrier's decision is out and
+    is not looked for.
+    """
+    for _ in range(_SEAT_ATTEMPTS):
+        seat = p.read_seat(initial_rank)
+        if seat is not None and seat.startswith("t"):
+            return None
+        if seat is not None and in_barrier and not p.terms.decision_out(int(seat)):
+            lost_at = int(seat)  # counted healthy there, lost before the decision came out
+            if not _claim_seat(p, initial_rank, seat, lost_at, who):
+                continue
+            if mark_lost(p, lost_at, fault(max(lost_at - 1, 0)), expected_at):
+                return lost_at
+            # The decision came out first: the rank is counted out of the next barrier, if a member.
+            return _count_out_at(p, initial_rank, lost_at + 1, expected_at(lost_at + 1), fault, timeout)
+        barrier = 0 if seat is None else int(seat) + 1
+        expected = expected_at(barrier)
+        if expected is None:
+            return None
+        if _claim_seat(p, initial_rank, seat or "", barrier, who):
+            return _count_out_at(p, initial_rank, barrier, expected, fault, timeout)
+    raise InternalError(f"rank {initial_rank}: its seat kept moving while it was counted out")
+
+
+def _claim_seat(p: CountingOutStore, initial_rank: int, seat: str, barrier: int, who: str) -> bool:
+    """Move the seat from ``seat`` to "t<barrier>:<who>"; False when the rank (or
+    another declarer) moved it meanwhile."""
+    claim = f"t{barrier}:{who}"
+    return p.counted.compare_set(p.seat_key(initial_rank), seat, claim).decode() == claim
+
+
+def _count_out_at(
+    p: CountingOutStore, initial_rank: int, barrier: int, expected: Optional[int],
+    fault: Callable[[int], FaultRecord], timeout: float,
+) -> Optional[int]:
+    """The rank, whose seat this caller holds, arrives terminated at ``barrier``
+    (which counts ``expected`` ranks; None: it is no member there)."""
+    if expected is None:
+        return None
+    if barrier > 0:
+        p.record_fault(fault(barrier - 1))
+        if not p.request_restart(barrier - 1):
+            p.leave(barrier - 1, expected)
+            return None
+    p.barrier(barrier, initial_rank, expected, terminated=True, timeout=timeout, seat_taken=True)
+    return barrier
