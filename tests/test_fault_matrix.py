@@ -242,6 +242,37 @@ def test_a_fault_on_entering_a_phase(tmp_path: pathlib.Path, kind: str, phase: s
     report(f"{kind} on entering {phase}", outcome="rank 2 leaves, 3 finish", rc=expected_rc, took_s=took)
 
 
+# A hang that never ends on entering a restart phase (a finalize hook blocked on a dead file
+# system or a lock, with the GIL released or held): the hung rank's monitor kills it at
+# hard_timeout, counted from the phase's entry, and the others go on without it.
+ENGINE_PHASE = {"finalize": "FINALIZING", "health_check": "HEALTH_CHECK"}  # as the monitor names them
+PERMANENT_HANGS = [("hang", "finalize")] + [
+    pytest.param(k, p, marks=pytest.mark.slow)
+    for k, p in (("gil_hang", "finalize"), ("hang", "health_check"), ("gil_hang", "health_check"))]
+
+
+@pytest.mark.parametrize("kind, phase", PERMANENT_HANGS)
+def test_a_hang_for_good_on_entering_a_restart_phase(tmp_path: pathlib.Path, kind: str, phase: str) -> None:
+    """Rank 1 raises at step 2; rank 2 hangs for good on entering ``phase`` of that restart.
+    Before, nothing watched a rank outside the function: rank 2 hung until the launcher killed
+    it and every other rank left at barrier_timeout (15 s) with TimeoutError."""
+    res = run_matrix(tmp_path, f"exception@rank=1,step=2;{kind}@rank=2,phase={phase}", MATRIX_STEPS="12")
+    assert res.returncodes[2] == -signal.SIGTERM, (res.returncodes, res.describe()[-3000:])  # SIGTERM's default
+    for r in (0, 1, 3):
+        log = assert_survivor(res, r, 1, 3)
+        restart = log["restarts"][0]
+        assert restart["terminated"] == [2], restart
+        hung = [f for f in restart["faults"] if f["rank"] == 2]
+        assert [f["kind"] for f in hung] == ["hard_timeout"], restart["faults"]
+        assert f"phase {ENGINE_PHASE[phase]}" in hung[0]["message"], hung[0]["message"]
+    # From rank 1's fault to the survivors' next iteration: the phase's hard_timeout (4 s), the
+    # kill (SIGTERM ends it at once, the grace is 1 s), the count-out, well within barrier_timeout.
+    took = resume_s(res, [0, 1, 3], 0, fault_time_ns(res, 1, 0))
+    assert 3.5 < took < 7.5, took
+    report(f"{kind} for good on entering {phase}", outcome="rank 2 killed at hard_timeout, 3 finish",
+           rcs=res.returncodes, resume_s=took)
+
+
 # -- several ranks at once, and a second fault during a restart -------------------------------------
 
 # Several ranks at once: on entering iteration 0 (phase=initialize), before any collective, so
