@@ -32,6 +32,7 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine.interrupt import interrupted_by
 from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
 from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
@@ -222,7 +223,10 @@ class CallWrapper:
                     self.restarts[-1].initialized_ns = time.monotonic_ns()
                 with faults.arm_from_environment(s.freeze()):  # INPROCESS_FAULTS: rehearsed failures
                     value = fn(*args, **kwargs)
-        except RankShouldRestart:
+        except RankShouldRestart as e:
+            ctrl_c = interrupted_by(e)  # raised on top of a Ctrl-C: the rank leaves with that
+            if ctrl_c is not None:
+                raise LeaveJob(ctrl_c, Leave.TERMINATED) from None
             return False, None
         except LeaveJob:
             raise
