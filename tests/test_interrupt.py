@@ -4,6 +4,7 @@ in the middle stays half-initialised (or missing) for every later iteration."""
 from __future__ import annotations
 
 import builtins
+import signal
 import sys
 import threading
 import time
@@ -77,3 +78,86 @@ def test_the_import_guard_sees_importlib_frames_and_nothing_else(tmp_path, monke
     finally:
         sys.modules.pop("frame_probe_for_interrupt", None)
     assert interrupt._importing(sys._getframe()) is False
+
+
+def _ctrl_c_and_restart_at_once(it: MainThreadInterrupter) -> BaseException:
+    """Inside the function, a Ctrl-C and the restart's signal both pending on the main thread,
+    as when a scheduler's SIGINT reaches every rank and a peer's leaving restarts the job:
+    Python runs SIGINT's handler first (KeyboardInterrupt), the restart's just after. Returns
+    what comes out of ``running()``."""
+    both = {signal.SIGINT, interrupt.INTERRUPT_SIGNAL}
+    main = threading.get_ident()
+    try:
+        with it.running():
+            signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            try:
+                it.fire("a peer left")  # sends the restart's signal: pending
+                signal.pthread_kill(main, signal.SIGINT)  # pending on this thread, whatever the others block
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both handlers run now, SIGINT's first
+            for _ in range(1000):
+                time.sleep(0.001)
+    except BaseException as e:  # noqa: BLE001 - what came out is the result
+        return e
+    raise AssertionError("nothing was raised")
+
+
+def test_a_ctrl_c_that_comes_with_the_restart_is_not_taken_for_it() -> None:
+    """Before, running()'s exit raised RankShouldRestart on top of the KeyboardInterrupt (the
+    restart was fired and not delivered yet): the engine restarted the rank, which trained on
+    alone with its store gone, instead of leaving the job."""
+    it = MainThreadInterrupter()
+    it.install()
+    try:
+        out = _ctrl_c_and_restart_at_once(it)
+    finally:
+        it.uninstall()
+    # The restart's handler runs next inside running()'s exit, where it holds back.
+    assert isinstance(out, KeyboardInterrupt), f"{out!r} on top of {out.__context__!r}"
+    assert it.fired and it.outside_fn.is_set() and not it.pending
+
+
+def test_the_restart_is_delivered_once_when_the_function_ends_as_it_fires() -> None:
+    """The handler never raises inside the interrupter's own exit (it would skip the moment the
+    main thread says it left, and the trigger would wait for it): running() raises it instead."""
+    it = MainThreadInterrupter()
+    it.install()
+    try:
+        with pytest.raises(RankShouldRestart):
+            with it.running():
+                signal.pthread_sigmask(signal.SIG_BLOCK, {interrupt.INTERRUPT_SIGNAL})
+                it.fire("restart")
+                assert it.pending
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {interrupt.INTERRUPT_SIGNAL})  # the handler: nothing left to do
+        time.sleep(0.01)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {interrupt.INTERRUPT_SIGNAL})
+        it.uninstall()
+    assert it.outside_fn.is_set() and not it.pending
+
+
+def test_interrupted_by_finds_what_ends_a_rank_and_nothing_else() -> None:
+    def restart_raised_while_handling(first: BaseException) -> RankShouldRestart:
+        try:
+            try:
+                raise first
+            except BaseException:
+                raise RankShouldRestart("restart")  # noqa: B904 - implicit context, as the handler's raise has
+        except RankShouldRestart as e:
+            return e
+
+    for leaving in (KeyboardInterrupt(), SystemExit(3), interrupt.RestartAbort("x")):
+        assert interrupt.interrupted_by(restart_raised_while_handling(leaving)) is leaving
+    for cleanup in (GeneratorExit(), ValueError("a peer's broken connection"), RankShouldRestart("earlier")):
+        assert interrupt.interrupted_by(restart_raised_while_handling(cleanup)) is None
+    # A Ctrl-C deeper in the chain (an exception raised while handling it, then the restart) counts too.
+    try:
+        try:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise OSError("cleanup failed")  # noqa: B904 - implicit context, as in a user's cleanup
+        except OSError:
+            raise RankShouldRestart("restart")  # noqa: B904 - implicit context, as the handler's raise has
+    except RankShouldRestart as e:
+        assert isinstance(interrupt.interrupted_by(e), KeyboardInterrupt)

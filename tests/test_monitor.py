@@ -9,6 +9,7 @@ re-parented to it: the test reads the monitor's exit status and reaps it.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import json
 import os
 import pathlib
@@ -23,7 +24,7 @@ import pytest
 from inprocess import _native
 from inprocess.control.protocol import TERMINATED_UNIT, RestartProtocol
 from inprocess.processes.contract import MonitorConfig
-from inprocess.processes.monitor import EXIT_OK, monitor_heartbeat_key
+from inprocess.processes.monitor import EXIT_OK, EXIT_STORE, monitor_heartbeat_key
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -405,3 +406,67 @@ def test_monitor_heartbeats_through_the_store(rank_run: Any, store: Any) -> None
     stopped = int(store.add(key, 0))
     time.sleep(0.2)
     assert int(store.add(key, 0)) == stopped  # no heartbeat after the monitor exited
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_the_monitor_starts_does_not_end_it(rank_run: Any, store: Any) -> None:
+    """A Ctrl-C reaches the rank's whole process group, its monitor too, which ignores SIGINT:
+    also in the second or so before its interpreter reaches the line that says so (the rank
+    starts it with SIGINT blocked). Before, a Ctrl-C then ended the monitor and left the rank
+    unwatched."""
+    run = rank_run(action="wait")
+    mpid = run.spawned()
+    sent = 0
+    deadline = time.monotonic() + 30
+    while not run.pidfile.exists() and os.path.exists(f"/proc/{mpid}") and time.monotonic() < deadline:
+        os.kill(mpid, signal.SIGINT)  # from its first instructions to the moment it watches
+        sent += 1
+        time.sleep(0.005)
+    assert sent > 10, f"the monitor ended after {sent} SIGINT(s) during its start:\n{run.log()}"
+    assert run.proc.stdout is not None
+    line = run.proc.stdout.readline().split()
+    assert line == ["ready", str(mpid)], (line, run.log())
+    os.kill(mpid, signal.SIGINT)  # and once it watches
+    os.kill(run.proc.pid, signal.SIGKILL)
+    _assert_died_in_iteration(store, run, "killed", "SIGKILL")  # it still did its work
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_whose_store_is_gone_exits_at_once(tmp_path: pathlib.Path) -> None:
+    """The store server went away (the job is ending), then the rank died: the monitor's
+    connection is refused, which means gone. It exits with EXIT_STORE at once, instead of
+    retrying to connect until its store timeout (10 s here) for the count-out and again for
+    its heartbeat."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import datetime, sys, torch.distributed as d; "
+         "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False); "
+         "print(s.port, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    run: Optional[RankRun] = None
+    _set_subreaper(True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = torch_dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
+        _in_iteration(client, rank=1, iteration=2)
+        del client
+        run = RankRun(tmp_path, port, heartbeat_interval_s=0.2)
+        run.ready()
+        time.sleep(0.5)  # a few heartbeats on its connection
+        server.kill()
+        server.wait(10)
+        start = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGKILL)
+        assert run.wait_monitor(20) == EXIT_STORE, run.log()
+        took = time.monotonic() - start
+        assert took < 3, (took, run.log())
+        assert "refused" in run.log()
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+        try:
+            if run is not None:
+                run.cleanup()
+        finally:
+            _set_subreaper(False)

@@ -79,6 +79,24 @@ def test_bad_arguments_exit_2_naming_the_value() -> None:
     assert "--port=70000" in proc.stderr
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_it_at_once(signum: int) -> None:
+    """Not after its lifetime check's interval (1 s): the signal closes the connection its wait is on."""
+    config = StoreHostConfig(port=0, world_size=2, idle_timeout_s=60, parent_pid=os.getpid(), check_interval_s=30)
+    host = HelperProcess.start(config, ready_timeout_s=120)
+    try:
+        client = _client(int(host.ready))
+        client.set(store_host.CALL_KEY, "0")  # its wait is now on the call's done key, for 30 s at a time
+        time.sleep(0.3)
+        start = time.monotonic()
+        host.popen.send_signal(signum)
+        assert host.wait_exit(10)
+        assert time.monotonic() - start < 1.5
+        assert host.popen.returncode == store_host.EXIT_OK
+    finally:
+        host.stop()
+
+
 def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
     """Its starter SIGKILLed, the host serves on while a monitor counter moves,
     and exits after idle_timeout of silence: no server outlives the job."""

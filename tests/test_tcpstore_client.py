@@ -520,6 +520,24 @@ def test_connection_refused_names_the_address() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_refusal_fails_at_once_when_the_server_is_known_to_have_served() -> None:
+    """retry_refused=False (the monitors and node agents, started after their rank reached the
+    server): nobody listening means the server is gone, so the client says so at once instead of
+    retrying until connect_timeout; the default retries until then."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(StoreConnectionError, match=r"1 attempt\(s\).*refused"):
+        TCPStoreClient(HOST, port, connect_timeout=timedelta(seconds=20), retry_refused=False)
+    assert time.monotonic() - start < 2
+    start = time.monotonic()
+    with pytest.raises(StoreConnectionError, match="refused"):
+        TCPStoreClient(HOST, port, connect_timeout=timedelta(seconds=0.5))
+    assert time.monotonic() - start >= 0.5
+
+
+@pytest.mark.timeout(60)
 def test_connect_retries_until_the_server_is_up(use_libuv: bool) -> None:
     with socket.socket() as probe:
         probe.bind((HOST, 0))

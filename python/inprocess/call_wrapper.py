@@ -32,6 +32,7 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine.interrupt import interrupted_by
 from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
 from .engine.restart_record import RestartRecord
 from .engine.runtime import RankRuntime
@@ -214,7 +215,7 @@ class CallWrapper:
         rt.open_iteration_store()
         try:
             self._set_phase(_Phase.RUNNING)
-            with rt.interrupter.running(), self._hang_protection():
+            with rt.interrupter.running(), rt.hang_guard.training(s.iteration, s.world_size):
                 if self._w.initialize is not None:
                     self._w.initialize(s.freeze())
                 self._check_health_before_iteration()
@@ -222,7 +223,10 @@ class CallWrapper:
                     self.restarts[-1].initialized_ns = time.monotonic_ns()
                 with faults.arm_from_environment(s.freeze()):  # INPROCESS_FAULTS: rehearsed failures
                     value = fn(*args, **kwargs)
-        except RankShouldRestart:
+        except RankShouldRestart as e:
+            ctrl_c = interrupted_by(e)  # raised on top of a Ctrl-C: the rank leaves with that
+            if ctrl_c is not None:
+                raise LeaveJob(ctrl_c, Leave.TERMINATED) from None
             return False, None
         except LeaveJob:
             raise
@@ -280,7 +284,8 @@ class CallWrapper:
         except Exception as e:
             # An unfit spare is a fault like any other: the restart's health check decides.
             self._fault_in_function(e)
-        with faults.arm_from_environment(self.state.freeze()), self._hang_protection():
+        s = self.state
+        with faults.arm_from_environment(s.freeze()), self._runtime.hang_guard.training(s.iteration, s.world_size):
             self._wait_stamping_progress(outcome)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, None
@@ -466,6 +471,7 @@ class CallWrapper:
         p = self._runtime.protocol
         exc = leaving.exc
         drop_frames(exc)
+        self._runtime.hang_guard.off()  # its way out has the engine's own timeouts
         # Before the fault is reported: its restart is for the others, this rank must not abort itself.
         self._runtime.trigger.stop(timeout=0)
         s.mode = Mode.TERMINATED
@@ -574,21 +580,9 @@ class CallWrapper:
         if rt is not None and event.iteration == s.iteration and s.mode == Mode.ACTIVE and not rt.interrupter.fired:
             report_soft_timeout(rt.protocol, s, event, _seconds(self._w.timeouts.soft_timeout), self._emit)
 
-    @contextlib.contextmanager
-    def _hang_protection(self) -> Iterator[None]:
-        """Soft and hard timeouts apply while the function runs, and only then:
-        the engine's own waits (barriers, completion) have timeouts of their own."""
-        hb = self._runtime.heartbeat
-        hb.begin_iteration(self.state.iteration, self.state.world_size)
-        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
-        try:
-            yield
-        finally:
-            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
-
     def _set_phase(self, phase: Any) -> None:
         if self._rt is not None:
-            self._rt.heartbeat.set_phase(phase)
+            self._rt.hang_guard.enter(phase)  # a restart's hooks get hard_timeout (engine/hang_guard.py)
             self._emit("phase", phase=phase.name, iteration=self.state.iteration)
         s = self.state  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
         faults.enter_phase(phase.name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)

@@ -114,7 +114,8 @@ def main():
     call = LAST_CALL.pop("call", None)
     log["restarts"] = [
         {"iteration": r.iteration, "terminated": r.terminated, "activated": r.activated,
-         "faults": [{"rank": f.rank, "kind": f.kind, "type": f.type, "t_ns": f.t_ns} for f in r.faults],
+         "faults": [{"rank": f.rank, "kind": f.kind, "type": f.type, "t_ns": f.t_ns, "message": f.message[:200]}
+                    for f in r.faults],
          "detected_ns": r.detected_ns, "decided_ns": r.decided_ns}
         for r in (call.restarts if call is not None else [])
     ]

@@ -33,7 +33,10 @@ Differences from torch's client, on purpose: a ``wait`` whose keys appear
 just as it times out returns instead of raising (the keys do exist); ``get``
 of a missing key raises :class:`StoreTimeoutError` (torch raises
 ``DistStoreError``); a connection refused is retried with backoff until
-``connect_timeout`` (torch retries until its ``timeout``).
+``connect_timeout`` (torch retries until its ``timeout``), unless
+``retry_refused=False``: a client of a server known to have been serving (a
+helper process started after its rank connected) takes a refusal as the
+server being gone, and fails at once.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ __all__ = [
 _RECV_CHUNK = 64 * 1024
 _POLL_MAX_MS = 2**31 - 1
 _RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EAGAIN, errno.EINTR}
+_GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED}  # nobody listens there (any more)
 
 Timeout = Union[datetime.timedelta, float, int]
 
@@ -157,7 +161,8 @@ class TCPStoreClient:
     ``timeout`` bounds every operation (and is the default timeout of
     ``wait`` and ``get``, like torch's store timeout); ``connect_timeout``
     bounds opening the connection, refused attempts being retried with
-    backoff until then. Timeouts are ``timedelta`` or seconds.
+    backoff until then (``retry_refused=False``: a refusal fails at once, the
+    server is gone). Timeouts are ``timedelta`` or seconds.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class TCPStoreClient:
         port: int,
         timeout: Timeout = datetime.timedelta(seconds=300),
         connect_timeout: Timeout = datetime.timedelta(seconds=60),
+        retry_refused: bool = True,
     ):
         given: object = port  # checked at run time: callers are not all type-checked
         if not isinstance(given, int) or isinstance(given, bool) or not 0 < given < 65536:
@@ -174,6 +180,7 @@ class TCPStoreClient:
         self.port = port
         self._timeout = _seconds(timeout, "timeout")
         self._connect_timeout = _seconds(connect_timeout, "connect_timeout")
+        self._retry_refused = retry_refused
         self._lock = threading.Lock()
         self._rbuf = bytearray()
         self._closed_because: Optional[str] = None
@@ -200,7 +207,7 @@ class TCPStoreClient:
 
     def clone(self) -> "TCPStoreClient":
         """A new connection to the same server, with the same timeouts."""
-        return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout)
+        return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout, self._retry_refused)
 
     def set(self, key: str, value: Value) -> None:
         request = bytes((SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
@@ -359,7 +366,8 @@ class TCPStoreClient:
             except socket.gaierror as e:
                 raise StoreConnectionError(f"cannot resolve the store host {self.host!r} ({self.address}): {e}") from e
             except OSError as e:
-                retry = isinstance(e, builtins.TimeoutError) or e.errno in _RETRY_ERRNOS
+                retry = isinstance(e, builtins.TimeoutError) or (
+                    e.errno in _RETRY_ERRNOS and (self._retry_refused or e.errno not in _GONE_ERRNOS))
                 remaining = deadline - time.monotonic()
                 if not retry or remaining <= 0:
                     raise StoreConnectionError(

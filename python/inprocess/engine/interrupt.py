@@ -18,19 +18,24 @@ or already back in the engine. The rules:
   import finish; the trigger thread sends the signal again (:meth:`nudge`)
   until the exception is delivered;
 * exactly once per fire: whichever of the handler and ``running()``'s exit
-  gets there first raises, the other does nothing.
+  gets there first raises, the other does nothing;
+* never on top of what the function raised: ``running()`` lets that
+  exception out as it is (the engine then knows the restart was fired). The
+  handler may still raise while another exception unwinds through the
+  function (Python runs the handlers of a SIGINT and of this signal one
+  after the other), so the engine looks for a Ctrl-C in the context of a
+  RankShouldRestart (:func:`interrupted_by`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import signal
 import threading
-from types import FrameType
-from typing import Any, Iterator, Optional
+from types import FrameType, TracebackType
+from typing import Any, Optional
 
-from ..exception import RankShouldRestart
+from ..exception import RankShouldRestart, RestartAbort
 
 # A real-time signal: SIGUSR1/SIGUSR2 are often taken by schedulers (SLURM's
 # --signal) and training scripts for checkpoint-on-preemption.
@@ -74,9 +79,11 @@ class MainThreadInterrupter:
 
     # -- the main thread ------------------------------------------------------
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """Marks the main thread as inside the wrapped function."""
+    def running(self) -> "_Running":
+        """Marks the main thread as inside the wrapped function (a context manager)."""
+        return _Running(self)
+
+    def _enter_fn(self) -> None:
         with self.lock:
             self._in_fn = True
             self.outside_fn.clear()
@@ -85,23 +92,22 @@ class MainThreadInterrupter:
                 self.outside_fn.set()
                 self._delivered = True
                 raise RankShouldRestart(self._reason)
-        try:
-            yield
-        finally:
-            with self.lock:
-                self._in_fn = False
-                self.outside_fn.set()
-                pending = self._fired and not self._delivered
-                self._delivered = self._delivered or self._fired
-                if not self._use_signal and self._fired:
-                    self._clear_async()
-            if pending:
-                raise RankShouldRestart(self._reason)
+
+    def _leave_fn(self) -> bool:
+        """The main thread leaves the function; True if a fire is pending (not delivered yet)."""
+        with self.lock:
+            self._in_fn = False
+            self.outside_fn.set()
+            pending = self._fired and not self._delivered
+            self._delivered = self._delivered or self._fired
+            if not self._use_signal and self._fired:
+                self._clear_async()
+        return pending
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         # Runs in the main thread between bytecodes; it must not take the lock
         # (the main thread may hold it). Reading plain attributes is atomic.
-        if self._in_fn and self._fired and not self._delivered and not _importing(frame):
+        if self._in_fn and self._fired and not self._delivered and not _held_back(frame):
             self._delivered = True
             raise RankShouldRestart(self._reason)
 
@@ -140,6 +146,46 @@ class MainThreadInterrupter:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
 
 
+class _Running:
+    """``with interrupter.running():`` A class, not a generator: its own frames are few and
+    known, so that the handler never raises inside them (:func:`_held_back`)."""
+
+    def __init__(self, interrupter: MainThreadInterrupter):
+        self._interrupter = interrupter
+
+    def __enter__(self) -> None:
+        self._interrupter._enter_fn()
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        # What the function raised goes on as it is: a RankShouldRestart raised on top
+        # would hide it (a KeyboardInterrupt that came out together with the restart's
+        # signal must still end the rank). The engine knows the restart was fired.
+        if self._interrupter._leave_fn() and exc_type is None:
+            raise RankShouldRestart(self._interrupter._reason)
+
+
+# The interrupter's own code between the function's end and the moment it says so
+# (_in_fn False): an exception raised by the handler there would skip that moment, and
+# the trigger would wait for a main thread that it believes is still inside.
+_OWN_CODE = frozenset({_Running.__enter__.__code__, _Running.__exit__.__code__,
+                       MainThreadInterrupter._enter_fn.__code__, MainThreadInterrupter._leave_fn.__code__})
+
+
+def _held_back(frame: Optional[FrameType]) -> bool:
+    """The handler must not raise here: an import runs (a module cut in the middle stays
+    broken), or the interrupter's own code does. The trigger sends the signal again."""
+    return _importing(frame) or _in_own_code(frame)
+
+
+def _in_own_code(frame: Optional[FrameType]) -> bool:
+    while frame is not None:
+        if frame.f_code in _OWN_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _importing(frame: Optional[FrameType]) -> bool:
     """True when ``frame`` or a caller of it is importlib's machinery running a module's code."""
     while frame is not None:
@@ -147,3 +193,23 @@ def _importing(frame: Optional[FrameType]) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# What ends a rank when it comes out of the function (the rule for "anywhere"). GeneratorExit and
+# asyncio's CancelledError are BaseExceptions too, but they unwind a generator or a task being
+# closed, not the rank: a restart raised during such a cleanup is a restart.
+LEAVING = (KeyboardInterrupt, SystemExit, RestartAbort)
+
+
+def interrupted_by(restart: RankShouldRestart) -> Optional[BaseException]:
+    """The KeyboardInterrupt, SystemExit or RestartAbort that ``restart`` was raised on top
+    of (in its context), or None. The rank leaves with that one, as if the restart had
+    not come: it is what the function raised first."""
+    seen = {id(restart)}
+    e = restart.__context__
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, LEAVING):
+            return e
+        e = e.__cause__ or e.__context__
+    return None

@@ -11,7 +11,7 @@ the process environment the call changes (RANK, WORLD_SIZE, sys.excepthook).
 Opening order (each step's undo is pushed on the stack as it succeeds, so a
 failure half-way closes exactly what was opened)::
 
-    event log ► heartbeat page ► interrupter ► store (+ store host) ► process-group
+    event log ► heartbeat page (+ hang guard) ► interrupter ► store (+ store host) ► process-group
     tracker ► node link (+ agent) ► protocols ► trigger ► watchdog ► monitor
 
 Closing runs the other way round: the monitor is stopped first (it marks
@@ -42,6 +42,7 @@ from ..processes import store_host
 from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig
 from ..state import State
 from . import pg_tracker, sockets
+from .hang_guard import HangGuard
 from .interrupt import MainThreadInterrupter
 from .trigger import RestartTrigger
 
@@ -64,6 +65,7 @@ class RankRuntime:
     """
 
     heartbeat: _native.HeartbeatPage
+    hang_guard: HangGuard
     interrupter: MainThreadInterrupter
     store: dist.Store
     node_link: Optional[NodeLink]
@@ -125,8 +127,7 @@ class RankRuntime:
 
         self.heartbeat = _native.HeartbeatPage.create()
         stack.callback(self.heartbeat.close)
-        self.heartbeat.set_timeouts(int(_seconds(t.soft_timeout) * 1e9), int(_seconds(t.hard_timeout) * 1e9))
-        self.heartbeat.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        self.hang_guard = HangGuard(self.heartbeat, _seconds(t.soft_timeout), _seconds(t.hard_timeout))
 
         self.interrupter = MainThreadInterrupter()
         self.interrupter.install()

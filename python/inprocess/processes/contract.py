@@ -416,7 +416,8 @@ def _route_stop_signals(config: HelperConfig, stop: StopRequest) -> None:
     of their own: no handler ever runs in a thread blocked in native code, and
     the native threads (the monitor's guard, torch's server) never see them."""
     for sig in config.ignored_signals:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)  # discards one pending since the start (HelperProcess.start)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, config.ignored_signals)
     stops = set(config.stop_signals)
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
 
@@ -512,6 +513,11 @@ class HelperProcess:
             read_fd, write_fd = os.pipe()
             config = dataclasses.replace(config, ready_fd=write_fd)  # type: ignore[call-arg]
             pass_fds.append(write_fd)
+        # The signals the helper ignores are blocked from its first instruction: a fresh
+        # interpreter takes a second or more to reach the line that ignores them, and a Ctrl-C
+        # to the process group meanwhile (Python's default SIGINT handler) would end it. The
+        # child inherits this thread's mask; it discards what is pending once it ignores it.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, config.ignored_signals)
         try:
             popen = subprocess.Popen(config.command(), pass_fds=pass_fds, stdin=subprocess.DEVNULL, env=env)
         except BaseException:
@@ -519,6 +525,8 @@ class HelperProcess:
                 os.close(read_fd)
             raise
         finally:
+            # A signal that came meanwhile is pending here, not lost: unblocking delivers it.
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if write_fd >= 0:
                 os.close(write_fd)
         handle = cls(config, popen)

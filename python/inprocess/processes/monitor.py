@@ -207,8 +207,11 @@ class Monitor:
     # store ------------------------------------------------------------------
 
     def _connect(self) -> Any:
+        # Its rank reached the server before it started this monitor: a refusal means the
+        # server is gone (the job is ending), never worth a retry until the timeout.
         timeout = self.args.store_timeout_s
-        return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout)
+        return TCPStoreClient(self.args.store_host, self.args.store_port, timeout=timeout, connect_timeout=timeout,
+                              retry_refused=False)
 
     @property
     def protocol(self) -> RestartProtocol:
@@ -271,7 +274,7 @@ class Monitor:
             if store is None:
                 timeout = min(self.args.store_timeout_s, _MARK_GONE_CONNECT_S)
                 store = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
-                                       connect_timeout=timeout)
+                                       connect_timeout=timeout, retry_refused=False)
             store.add(monitor_heartbeat_key(self.args.call, self.rank, self.args.incarnation), HEARTBEAT_GONE)
         except StoreConnectionError as e:
             log.info("the store is gone (the job is over): nothing to mark (%s)", e)

@@ -133,7 +133,9 @@ class NodeAgent:
     def _protocol(self) -> RestartProtocol:
         from ..control.tcpstore_client import TCPStoreClient
 
-        client = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s)
+        # Started by a rank that reached the server: a refusal means the server is gone.
+        client = TCPStoreClient(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
+                                connect_timeout=self.args.store_timeout_s, retry_refused=False)
         return RestartProtocol(client, self.args.call, incarnation=self.args.incarnation)
 
     def _forward_loop(self) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -109,6 +110,13 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     # Its own waits go through the torch-free client: torch's client logs a warning
     # on every wait that times out, once per check interval for the whole job.
     client = TCPStoreClient("127.0.0.1", server.port, timeout=config.check_interval_s)
+
+    def end_the_wait_on_stop() -> None:
+        # A stop signal ends the wait below at once (closing its connection), not after check_interval_s.
+        stop.wait()
+        client.close()
+
+    threading.Thread(target=end_the_wait_on_stop, name="inprocess-store-stop", daemon=True).start()
     liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, config.incarnation)
     call: Optional[int] = None
     while not stop.is_set():
@@ -122,6 +130,8 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
             log.info("call %d is done", call)
             return EXIT_OK
         except Exception as e:
+            if stop.is_set():
+                break
             if not is_timeout(e):  # the server itself answers these: only a bug lands here
                 log.error("lifetime check failed: %s: %s", type(e).__name__, e)
                 time.sleep(config.check_interval_s)
