@@ -35,8 +35,12 @@ class HealthCheck(abc.ABC):
 class FaultCounter(HealthCheck):
     """Terminates a rank whose own function raised more than ``max_rank_faults`` times.
 
-    Only faults that started on this rank count (``state.fn_exception``); a
-    restart caused by another rank's fault does not.
+    What counts is an exception this rank's function raised
+    (``state.fn_exception``), as in NVRx; a restart that interrupted this rank
+    for another rank's fault does not. A communication error that another
+    rank's death caused counts when it came out of the function before the
+    restart reached this rank (the restart summary marks it as a consequence,
+    but the health check runs before the faults are gathered).
     """
 
     def __init__(self, max_rank_faults: Optional[int] = None):
