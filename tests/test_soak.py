@@ -16,7 +16,9 @@ Tolerances, and why:
   per restart would cost more than that).
 - store keys: past iterations' keys are deleted by the leader, so the count at each iteration's
   start varies only with how many of the in-flight iteration's keys the other ranks wrote yet
-  (11..22 here): max - min <= 14 and no trend (the last ten's maximum <= the first ten's + 2).
+  (10..21 here, anywhere in the run): max - min <= 14 and no trend (the last ten's median <= the
+  first ten's median + 2; a leak of one key per restart would add 40). A maximum-against-maximum
+  check failed when a 21 came late after first ten iterations that happened to stay at 18 or below.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def test_fifty_faults_leave_nothing_behind(tmp_path: pathlib.Path) -> None:
             series[name].append([i[name] for i in its])
     keys = [i["store_keys"] for i in res.rank(0)["iterations"][1:]]
     assert all(isinstance(k, int) for k in keys), keys
-    assert max(keys) - min(keys) <= 14 and max(keys[-10:]) <= max(keys[:10]) + 2, keys
+    assert max(keys) - min(keys) <= 14 and statistics.median(keys[-10:]) <= statistics.median(keys[:10]) + 2, keys
     target = os.environ.get("MATRIX_REPORT")
     if target:
         with open(target, "a") as f:
