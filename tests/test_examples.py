@@ -44,17 +44,14 @@ def test_minimal_wraps_main_as_it_is_and_restarts_it_from_the_beginning() -> Non
     assert "[minimal] 400 steps in" in ranks[0][1], ranks[0][1]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, open: in about 1 run in 4 the summary names rank 1's gloo 'Connection closed by peer' "
-    "as the only cause: it is recorded first and requests the restart, and rank 2's injected exception "
-    "(raised by a signal handler during DDP's backward) seems to reach the wrapper only once that restart "
-    "interrupted it, where it is dropped as a consequence of the abort (call_wrapper._fault_in_function, "
-    "interrupter.fired); how rank 1's connection closed before rank 2 recorded is not established"))
 def test_minimal_summary_names_the_injected_exception_as_the_cause() -> None:
     ranks = run_example([str(EXAMPLES / "minimal.py"), "--steps", "400"], "exception@rank=2,after=0.5s")
     everything = "\n".join(out for _, out in ranks)
     summaries = [line for line in everything.splitlines() if "restart after iteration 0: cause:" in line]
-    assert any("rank 2 exception: InjectedException" in line for line in summaries), everything[-8000:]
+    # In about 1 run in 4 the exception, raised as ProcessGroupGloo(...) returns, destroys the new group and
+    # rank 1's first collective requests the restart before the exception is out of main() (restart_record).
+    cause = re.compile(r"cause: rank 2 exception( \(out after the restart began\))?: InjectedException")
+    assert len(summaries) == 1 and cause.search(summaries[0]), everything[-8000:]
 
 
 def test_optimal_resumes_from_its_checkpoint_after_an_exception_and_a_sigkill() -> None:

@@ -176,3 +176,17 @@ def test_threads_and_descriptors_do_not_grow_over_20_restarts(job):
         assert log["final_threads"] == log["threads_before"], log
         # torch's init_process_group wraps sys.excepthook each time; the engine undoes it.
         assert len(set(log["excepthooks"])) == 1, log["excepthooks"][:3]
+
+
+def test_an_exception_under_the_restart_it_caused_is_named_the_cause(job):
+    # Rank 1's ValueError is still in a finally block when rank 0's communication error, the only
+    # first-hand fault, brings the restart: the summary names rank 1's exception, not rank 0's error.
+    res = job({}, world_size=3, worker="late_cause_worker.py", timeout=60.0)
+    assert res.returncodes == [0, 0, 0], res.describe()
+    for r in range(3):
+        seen = res.rank(r)
+        assert seen["causes"] == [[1, "after_restart", "ValueError"]], (r, seen)
+        assert seen["consequences"] == [[0, "exception", "RuntimeError"]], (r, seen)
+        assert seen["summary"].startswith(
+            "restart after iteration 0: cause: rank 1 exception (out after the restart began): ValueError: "
+            "rank 1's own fault; consequences (not causes): rank 0 RuntimeError"), seen["summary"]

@@ -34,7 +34,7 @@ from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine.interrupt import interrupted_by
 from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
-from .engine.restart_record import RestartRecord
+from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
 from .engine.trigger import IterationOutcome
@@ -227,6 +227,9 @@ class CallWrapper:
             ctrl_c = interrupted_by(e)  # raised on top of a Ctrl-C: the rank leaves with that
             if ctrl_c is not None:
                 raise LeaveJob(ctrl_c, Leave.TERMINATED) from None
+            if isinstance(e.__context__, Exception):
+                # Raised on top of the function's own exception, still on its way out.
+                self._fault_in_function(e.__context__)
             return False, None
         except LeaveJob:
             raise
@@ -254,14 +257,17 @@ class CallWrapper:
             # Never a consequence of the abort (a Ctrl-C during a restart): the rank leaves.
             raise LeaveJob(e, Leave.TERMINATED) from None
         if self._runtime.interrupter.fired:
-            # Raised because the restart aborted what this rank was doing.
             log.debug("rank %d: %s while restarting", s.initial_rank, type(e).__name__)
-            drop_frames(e)
-            return
-        # Publish before the frames are dropped: dropping them may destroy
-        # this rank's process group, and a peer that sees its connection
-        # close must find the restart already requested.
-        first_hand = not p.restart_requested(s.iteration)
+            if is_communication_error(type(e).__name__, str(e)):
+                # What the restart's abort did to this rank's collectives: not worth a record.
+                drop_frames(e)
+                return
+            first_hand = False  # its own fault, out after the restart came: maybe its cause (restart_record)
+        else:
+            # Publish before the frames are dropped: dropping them may destroy
+            # this rank's process group, and a peer that sees its connection
+            # close must find the restart already requested.
+            first_hand = not p.restart_requested(s.iteration)
         # An exception after the restart was requested may be a consequence
         # (a peer's aborted connection) or a fault of its own at the same
         # moment: it is recorded either way, marked, and only a first-hand
