@@ -297,6 +297,30 @@ def test_a_hang_for_good_on_entering_a_restart_phase(tmp_path: pathlib.Path, kin
            rcs=res.returncodes, resume_s=took)
 
 
+@pytest.mark.parametrize("kind", ["hang", pytest.param("gil_hang", marks=pytest.mark.slow)])
+def test_a_rank_assignment_hung_for_good_on_the_leader(tmp_path: pathlib.Path, kind: str) -> None:
+    """Barrier 2's leader hangs for good in the rank assignment it runs for everyone (a user's
+    hook blocked on a file system, or holding the GIL). Before, nothing watched the decision: every
+    rank left at barrier_timeout (15 s). Now the leader's monitor kills it at hard_timeout, its
+    lost mark ends its term, and another rank decides without it."""
+    start = time.monotonic()
+    res = run_matrix(tmp_path, f"exception@rank=1,step=2,iteration=0|1;{kind}@rank=*,phase=reassignment,iteration=1",
+                     MATRIX_STEPS="12")
+    took = time.monotonic() - start
+    hung = [r for r in range(4) if res.returncodes[r] != 0]
+    assert len(hung) == 1 and res.returncodes[hung[0]] == -signal.SIGTERM, (res.returncodes, res.describe()[-3000:])
+    survivors = sorted(set(range(4)) - set(hung))
+    for r in survivors:
+        restart = assert_survivor(res, r, 2, 3)["restarts"][-1]
+        assert restart["iteration"] == 1 and restart["terminated"] == hung, restart
+        assert [f["kind"] for f in restart["faults"] if f["rank"] == hung[0]] == ["hard_timeout"], restart
+    # From rank 1's fault in iteration 1: the leader's hard_timeout (4 s), the kill, the takeover.
+    resumed = resume_s(res, survivors, 1, fault_time_ns(res, 1, 1))
+    assert 3.5 < resumed < 7.5, resumed
+    report(f"{kind} for good in the leader's rank assignment", outcome="the leader killed at hard_timeout, 3 finish",
+           rcs=res.returncodes, resume_s=resumed, took_s=took)
+
+
 # -- several ranks at once, and a second fault during a restart -------------------------------------
 
 # Several ranks at once: on entering iteration 0 (phase=initialize), before any collective, so

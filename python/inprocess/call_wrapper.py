@@ -416,10 +416,11 @@ class CallWrapper:
             raise LeaveJob(e, failed) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
-        return self._assignment.decide(
-            self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology,
-            takeover=self._runtime.protocol.lead_term > 0,
-        )
+        with self._runtime.hang_guard.deciding():  # a hung rank assignment: killed, and the lead taken over
+            return self._assignment.decide(
+                self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology,
+                takeover=self._runtime.protocol.lead_term > 0,
+            )
 
     def _read_topology(self) -> list[list[list[str]]]:
         return self._runtime.protocol.read_topology(self.state.initial_world_size)

@@ -16,6 +16,10 @@ native watchdog (soft timeout, in the rank) and the monitor's guard (hard timeou
   job is restarting already. The abort runs on the restart trigger's thread
   while the main thread waits for it, so the abort as a whole gets one
   ``hard_timeout``.
+* **The leader's decision** (the rank assignment, a user's hook among them, run
+  inside a barrier): the hard timeout only, from the decision's start, as in a
+  restart phase. A leader killed there is counted out by its monitor, and
+  another rank takes the lead over (``control/leadership.py``).
 * **Every other phase** (the barriers, the wait for completion, leaving): none.
   Those waits are the engine's own, each bounded by its own timeout, and a rank
   waiting at a barrier for a slow peer is not hung.
@@ -59,16 +63,30 @@ class HangGuard:
         """The rank enters ``phase``: publish it, and apply what its phase's rule says."""
         page = self.page
         if phase in RESTART_PHASES:
-            # Published before the flag is cleared (the guard reads the flag with acquire):
-            # no soft timeout, ping()'s clock disarmed, automatic progress stamped now.
-            page.set_timeouts(0, self.hard_ns)
-            page.set_flag(_native.FLAG_MANUAL_ARMED, False)
-            page.stamp_auto()
-            page.set_phase(phase)
-            page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
+            self._hard_timeout_only(phase)
             return
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
         page.set_phase(phase)
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[None]:
+        """The hard timeout only, from now, while the leader decides (in a barrier's phase)."""
+        self._hard_timeout_only(None)
+        try:
+            yield
+        finally:
+            self.page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+
+    def _hard_timeout_only(self, phase: _native.Phase | None) -> None:
+        # Published before the flag is cleared (the guard reads the flag with acquire):
+        # no soft timeout, ping()'s clock disarmed, automatic progress stamped now.
+        page = self.page
+        page.set_timeouts(0, self.hard_ns)
+        page.set_flag(_native.FLAG_MANUAL_ARMED, False)
+        page.stamp_auto()
+        if phase is not None:
+            page.set_phase(phase)
+        page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
 
     def off(self) -> None:
         """The rank leaves the job: its way out is bounded by the engine's own timeouts."""
