@@ -546,6 +546,31 @@ def test_standalone_tree_gathers_through_the_store_once_and_keeps_its_table():
     assert [second[r].state.active_rank for r in (0, 1, 4)] == [0, 1, 3]
 
 
+def test_a_restarted_incarnation_never_reads_its_predecessors_exchange(monkeypatch):
+    """torchrun restarts its workers with the agent's store still holding what the previous ones
+    wrote: a standalone Tree of the new incarnation must wait for its peers, not read stale keys."""
+    n = 2
+    store = dist.HashStore()
+
+    def make() -> Tree:
+        return Tree([Layer(key_or_fn="job", flag=RESERVE)])
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 1/a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    store.set_timeout(datetime.timedelta(seconds=30))
+    old = call_every_rank(build_per_process(make, n), {r: State(r, n) for r in range(n)}, set(), store)
+    assert [old[r].state.mode for r in range(n)] == [Mode.ACTIVE] * n
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    (alone,) = build_per_process(make, 1)
+    store.set_timeout(datetime.timedelta(seconds=0.5))
+    # Rank 1 of the new incarnation is not there: rank 0 waits for it (here until the store's timeout).
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        alone(RankAssignmentCtx(State(0, n), store, set()))
+    keys = [k for k in ("inprocess/rank_assignment/torchrun.job%201%2Fa.0/Tree_0/0/0",
+                        "inprocess/rank_assignment/torchrun.job%201%2Fa.1/Tree_0/0/0") if store.check([k])]
+    assert len(keys) == 2, keys  # each incarnation under its own, quoted, name
+
+
 # -- the Wrapper, end to end ---------------------------------------------------------------------
 
 

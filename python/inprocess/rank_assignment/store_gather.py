@@ -5,8 +5,10 @@ Called per rank, as there, those two need every rank's key (and ``Tree``
 every rank's state). Each rank sets its value under a key of its own and
 waits for the others'; the namespace names the assignment instance and the
 call, so instances built in the same order on every rank meet (the same
-convention as there). Inside the Wrapper nothing goes through the store: the
-leader has every rank's keys already.
+convention as there), and the launcher's incarnation, so that workers restarted
+by torchrun or requeued by SLURM never read their predecessors' values from a
+store that outlived them (torchrun's agent store does). Inside the Wrapper
+nothing goes through the store: the leader has every rank's keys already.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import itertools
 import json
 from typing import Any, Iterable, Optional
 
+from ..control.incarnation import job_incarnation
+
 _PREFIX = "inprocess/rank_assignment"
 
 
 class StoreNamespace:
-    """Where one assignment instance's exchanges live: ``<prefix>/<class>_<instance>/<call>``."""
+    """Where one assignment instance's exchanges live:
+    ``<prefix>[/<incarnation>]/<class>_<instance>/<call>``."""
 
     _counters: dict[str, "itertools.count[int]"] = {}
 
     def __init__(self, owner: object):
         name = type(owner).__name__
         counter = StoreNamespace._counters.setdefault(name, itertools.count())
-        self.name = f"{name}_{next(counter)}"
+        incarnation = job_incarnation()
+        self.name = f"{incarnation}/{name}_{next(counter)}" if incarnation else f"{name}_{next(counter)}"
         self.calls = 0
 
     def next_call(self) -> str:
