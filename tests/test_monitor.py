@@ -8,6 +8,7 @@ re-parented to it: the test reads the monitor's exit status and reaps it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -437,6 +438,35 @@ def test_a_monitor_whose_store_is_gone_exits_at_once(tmp_path: pathlib.Path) -> 
     connection is refused, which means gone. It exits with EXIT_STORE at once, instead of
     retrying to connect until its store timeout (10 s here) for the count-out and again for
     its heartbeat."""
+    with _monitor_of_a_store_that_goes(tmp_path, heartbeat_interval_s=0.2) as (run, server):
+        time.sleep(0.5)  # a few heartbeats on its connection
+        server.kill()
+        server.wait(10)
+        start = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGKILL)
+        assert run.wait_monitor(20) == EXIT_STORE, run.log()
+        took = time.monotonic() - start
+        assert took < 3, (took, run.log())
+        assert "refused" in run.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_gone_while_the_rank_lives_is_one_warning_not_one_per_heartbeat(tmp_path: pathlib.Path) -> None:
+    with _monitor_of_a_store_that_goes(tmp_path, heartbeat_interval_s=0.05) as (run, server):
+        time.sleep(0.3)
+        server.kill()
+        server.wait(10)
+        time.sleep(1.5)  # about 30 heartbeat intervals without a store
+        os.kill(run.proc.pid, signal.SIGKILL)
+        assert run.wait_monitor(20) == EXIT_STORE, run.log()
+        failed = [line for line in run.log().splitlines() if "heartbeat to the store failed" in line]
+        warned = [line for line in failed if " WARNING " in line]
+        assert len(failed) > 10 and len(warned) == 1 and "(1 in a row" in warned[0], run.log()
+
+
+@contextlib.contextmanager
+def _monitor_of_a_store_that_goes(tmp_path: pathlib.Path, heartbeat_interval_s: float) -> Iterator[Any]:
+    """A monitor watching rank 1 in iteration 2, its store served by a process the test may kill."""
     server = subprocess.Popen(
         [sys.executable, "-c", "import datetime, sys, torch.distributed as d; "
          "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False); "
@@ -450,17 +480,9 @@ def test_a_monitor_whose_store_is_gone_exits_at_once(tmp_path: pathlib.Path) -> 
         client = torch_dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
         _in_iteration(client, rank=1, iteration=2)
         del client
-        run = RankRun(tmp_path, port, heartbeat_interval_s=0.2)
+        run = RankRun(tmp_path, port, heartbeat_interval_s=heartbeat_interval_s)
         run.ready()
-        time.sleep(0.5)  # a few heartbeats on its connection
-        server.kill()
-        server.wait(10)
-        start = time.monotonic()
-        os.kill(run.proc.pid, signal.SIGKILL)
-        assert run.wait_monitor(20) == EXIT_STORE, run.log()
-        took = time.monotonic() - start
-        assert took < 3, (took, run.log())
-        assert "refused" in run.log()
+        yield run, server
     finally:
         if server.poll() is None:
             server.kill()

@@ -224,6 +224,7 @@ class Monitor:
         one ``multi_get`` of the counters of the peers it watches."""
         key = monitor_heartbeat_key(self.args.call, self.rank, self.args.incarnation)
         store = None
+        failing = 0  # heartbeats failed in a row: the first is a warning, the rest say how many at debug level
         while True:
             try:
                 if store is None:
@@ -232,8 +233,13 @@ class Monitor:
                 if self.watch is not None and self._rank_passed_first_barrier():
                     for peer, silent_s in self.watch.poll(store):
                         self._declare_lost(peer, silent_s)
+                if failing:
+                    log.warning("heartbeat to the store works again after %d failed", failing)
+                    failing = 0
             except Exception as e:  # the store is down or slow: try again next interval
-                log.warning("heartbeat to the store failed: %s: %s", type(e).__name__, e)
+                failing += 1
+                log.log(logging.WARNING if failing == 1 else logging.DEBUG, "heartbeat to the store failed (%d in a "
+                        "row; retried every %gs): %s: %s", failing, self.args.heartbeat_interval_s, type(e).__name__, e)
                 if store is not None:
                     store.close()
                 store = None
