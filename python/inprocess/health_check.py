@@ -40,7 +40,9 @@ class FaultCounter(HealthCheck):
     for another rank's fault does not. A communication error that another
     rank's death caused counts when it came out of the function before the
     restart reached this rank (the restart summary marks it as a consequence,
-    but the health check runs before the faults are gathered).
+    but the health check runs before the faults are gathered); and an
+    exception of its own that came out only after the restart had reached it
+    (the summary may name it the cause) does not count.
     """
 
     def __init__(self, max_rank_faults: Optional[int] = None):
