@@ -26,6 +26,7 @@ from inprocess.control.protocol import TERMINATED_UNIT, Decision, FaultRecord, R
 from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.exception import InternalError
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
+from test_seats import RaceOnSeat
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,26 +267,6 @@ def test_a_rank_lost_inside_the_barrier_ends_a_live_leaders_term_in_doubt() -> N
     assert parse_lost_mark(job.value("decision") or b"") is not None
 
 
-class RaceAfterSeatClaim:
-    """A connection that runs ``race()`` right after its first claim of a seat ("t..."), before
-    it marks the barrier: the decision comes out in between."""
-
-    def __init__(self, store: Any, race: Callable[[], None]):
-        self._store = store
-        self._race: Optional[Callable[[], None]] = race
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        value = bytes(self._store.compare_set(key, expected, desired))
-        desired_text = desired.decode() if isinstance(desired, bytes) else desired
-        if self._race is not None and "/seat/" in key and desired_text.startswith("t"):
-            race, self._race = self._race, None
-            race()
-        return value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def test_a_decision_out_before_the_mark_counts_the_lost_rank_out_of_the_next_barrier() -> None:
     job = Job(4)
     leader = job.protocol()
@@ -297,7 +278,7 @@ def test_a_decision_out_before_the_mark_counts_the_lost_rank_out_of_the_next_bar
     def leader_publishes() -> None:
         assert leader.publish_decision(decision)
 
-    monitor = RaceAfterSeatClaim(job.client(), leader_publishes)
+    monitor = RaceOnSeat(job.client(), leader_publishes, claims_only=True)  # before its mark
     assert job.count_out(2, store=monitor) == BARRIER + 1  # as for a rank lost after the decision
     assert job.value("decision") == decision.to_json().encode()  # no mark, no second term
     assert job.value("decision.1") is None
@@ -307,30 +288,12 @@ def test_a_decision_out_before_the_mark_counts_the_lost_rank_out_of_the_next_bar
     assert job.server.get(p.key(BARRIER, "event")) == b"restart"
 
 
-class RaceAfterSeatRead:
-    """A connection that runs ``race()`` right after its first read of a seat."""
-
-    def __init__(self, store: Any, race: Callable[[], None]):
-        self._store = store
-        self._race: Optional[Callable[[], None]] = race
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        value = bytes(self._store.compare_set(key, expected, desired))
-        if self._race is not None and "/seat/" in key:
-            race, self._race = self._race, None
-            race()
-        return value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def test_two_declarers_of_one_lost_leader_mark_it_once() -> None:
     job = Job(4)
     job.protocol().arrive(BARRIER, 1, 4)
     # The monitor of rank 3 (rank 1 went silent) reads rank 1's seat; before it claims it, rank
     # 1's own monitor counts it out start to end.
-    peer = RaceAfterSeatRead(job.client(), lambda: job.count_out(1))
+    peer = RaceOnSeat(job.client(), lambda: job.count_out(1))
     monitor = RestartProtocol(peer)
     fault = FaultRecord(1, 1, "unresponsive", "HeartbeatTimeout", "silent")
     assert monitor.count_out(1, lambda i: fault, lambda b: 4, timeout=10, who="m3") is None

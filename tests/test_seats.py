@@ -14,17 +14,21 @@ from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol
 TIMEOUT = datetime.timedelta(seconds=10)
 
 
-class RaceAfterRead:
-    """A store connection that runs ``race()`` right after its first seat read
-    returns, so that another claimant moves the seat in between."""
+class RaceOnSeat:
+    """A store connection that runs ``race()`` right after its first ``compare_set`` of a seat
+    returns (a read of it, or with ``claims_only`` a claim, "t..."), so that another party acts
+    in between."""
 
-    def __init__(self, store: Any, race: Callable[[], None]):
+    def __init__(self, store: Any, race: Callable[[], None], *, claims_only: bool = False):
         self._store = store
         self._race: Optional[Callable[[], None]] = race
+        self._claims_only = claims_only
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        value = self._store.compare_set(key, expected, desired)
-        if self._race is not None and "/seat/" in key:
+        value = bytes(self._store.compare_set(key, expected, desired))
+        desired_text = desired.decode() if isinstance(desired, bytes) else desired
+        claim = desired_text.startswith("t")
+        if self._race is not None and "/seat/" in key and (claim or not self._claims_only):
             race, self._race = self._race, None
             race()
         return value
@@ -61,7 +65,7 @@ def test_two_claimants_of_one_seat_count_it_once(second: str) -> None:
             assert other.barrier(1, lost, n, terminated=True, timeout=10) is None
 
     # The monitor of rank 0 reads the seat ("0"); before it claims it, the other claimant wins.
-    first = RestartProtocol(RaceAfterRead(client(), second_claimant))
+    first = RestartProtocol(RaceOnSeat(client(), second_claimant))
     assert first.count_out(lost, fault, lambda b: n, timeout=10, who="m0") is None
     arrivals = server.add(first.key(1, "arrivals"), 0)
     assert (arrivals & 0xFFFFFFFF, arrivals >> 32) == (0, 1), "rank 2 was counted out more than once"
