@@ -32,8 +32,9 @@ class StoreNamespace:
     def __init__(self, owner: object):
         name = type(owner).__name__
         counter = StoreNamespace._counters.setdefault(name, itertools.count())
+        instance = f"{name}_{next(counter)}"
         incarnation = job_incarnation()
-        self.name = f"{incarnation}/{name}_{next(counter)}" if incarnation else f"{name}_{next(counter)}"
+        self.name = f"{incarnation}/{instance}" if incarnation else instance
         self.calls = 0
 
     def next_call(self) -> str:
