@@ -200,14 +200,97 @@ def test_health_check_times_out_on_a_hung_sync(driver: _native.CudaDriver, monke
 def test_health_check_selects_the_device_by_local_rank(
     driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    health_check.CudaHealthCheck()(STATE)  # type: ignore[arg-type]
-    monkeypatch.setenv("LOCAL_RANK", "5")  # the fake has two devices
-    with pytest.raises(HealthCheckError, match="CUDA device 5.*CUDA_ERROR_INVALID_DEVICE"):
-        health_check.CudaHealthCheck()(STATE)  # type: ignore[arg-type]
+    check = health_check.CudaHealthCheck()
+    check(STATE)  # type: ignore[arg-type]
+    assert check.ordinal == 1
+    # The fake has two devices: LOCAL_RANK 5 is device 1, as torch's
+    # guessDeviceForRank (rank % getNumGPUs()) and Megatron-LM would take it.
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    check(STATE)  # type: ignore[arg-type]
+    assert check.ordinal == 1
+    with pytest.raises(ValueError, match="device=5: this process sees 2 CUDA device"):
+        health_check.CudaHealthCheck(device_index=5)(STATE)  # type: ignore[arg-type]
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK='x'"):
         health_check.CudaHealthCheck()(STATE)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_one_visible_device_per_task_is_device_0(driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SLURM --gpus-per-task=1: the fourth task of a node sees one GPU (CUDA
+    # device 0) and has LOCAL_RANK=3. Taking LOCAL_RANK as the ordinal gave
+    # CUDA_ERROR_INVALID_DEVICE (101) and terminated a healthy rank.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert driver.device_count(S).value == 1
+    check = health_check.CudaHealthCheck()
+    assert check(STATE) is STATE  # type: ignore[arg-type]
+    assert check.ordinal == 0
+
+
+@pytest.mark.timeout(30)
+def test_no_visible_device_is_unavailable_not_a_failure(
+    driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CUDA_VISIBLE_DEVICES="" hides every device: cuInit answers
+    # CUDA_ERROR_NO_DEVICE (100). That is "no GPU here", like a machine
+    # without a driver, not a GPU in trouble.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    out = driver.init(S)
+    assert (out.status, out.code, out.error_name) == (_native.GpuStatus.ERROR, 100, "CUDA_ERROR_NO_DEVICE")
+    assert health_check.CudaHealthCheck()(STATE) is STATE  # type: ignore[arg-type]
+    with pytest.raises(GpuUnavailable, match="no CUDA device .*CUDA_ERROR_NO_DEVICE; CUDA_VISIBLE_DEVICES=''"):
+        health_check.CudaHealthCheck(on_unavailable="fail")(STATE)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_unknown_error_on_a_working_context_is_a_lost_context(
+    driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CUDA_ERROR_UNKNOWN (999) from cuCtxSynchronize on an active context:
+    # the driver does not know what state the context is in.
+    monkeypatch.setenv("FAKE_CUDA_MODE", "unknown")
+    out = driver.synchronize_context(0, S)
+    assert (out.code, out.error_name, out.context_lost) == (999, "CUDA_ERROR_UNKNOWN", True)
+    assert not _native.is_sticky_cuda_error(999)  # cuda.h does not call it sticky: the context makes it so
+    with pytest.raises(CudaContextLost, match="cuCtxSynchronize: CUDA_ERROR_UNKNOWN") as info:
+        health_check.CudaHealthCheck()(STATE)  # type: ignore[arg-type]
+    assert info.value.exit_status == EXIT_CODE_CONTEXT_LOST
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode, code, hint", [
+    ("prohibited", 999, "compute mode is PROHIBITED"),
+    ("device_unavailable", 46, "held by another process"),
+])
+def test_errors_outside_the_context_do_not_end_the_process_with_76(
+    driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch, mode: str, code: int, hint: str
+) -> None:
+    # 999 from a first retain (cuda.h 12.9 line 5940) and 46 (line 2527) say
+    # the device cannot be had by this process now, not that a context is
+    # lost: a new process would meet them again, so no exit status 76.
+    monkeypatch.setenv("FAKE_CUDA_MODE", mode)
+    out = driver.probe(0, 4096, S)
+    assert (out.code, out.step, out.context_lost) == (code, "cuDevicePrimaryCtxRetain", False)
+    with pytest.raises(HealthCheckError, match=hint) as info:
+        health_check.CudaHealthCheck()(STATE)  # type: ignore[arg-type]
+    assert not isinstance(info.value, CudaContextLost)
+
+
+@pytest.mark.timeout(30)
+def test_out_of_memory_probe_does_not_end_a_healthy_rank(
+    driver: _native.CudaDriver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The context answered cuCtxSynchronize; the probe's allocation failed
+    # because the memory is taken (torch's caching allocator keeps what it
+    # freed). The rank is healthy.
+    monkeypatch.setenv("FAKE_CUDA_MODE", "oom")
+    with caplog.at_level("WARNING", logger="inprocess"):
+        assert health_check.CudaHealthCheck()(STATE) is STATE  # type: ignore[arg-type]
+    assert "no 1048576 bytes free for the probe (CUDA_ERROR_OUT_OF_MEMORY)" in caplog.text
 
 
 @pytest.mark.timeout(30)

@@ -58,7 +58,7 @@ def test_query_of_a_healthy_device(nvml: _native.NvmlLibrary, fakes: Fakes) -> N
 @pytest.mark.parametrize(
     "mode, error, match",
     [
-        ("ecc", GpuUnhealthy, "2 volatile uncorrectable ECC errors"),
+        ("ecc", GpuUnhealthy, "2 new volatile uncorrectable ECC errors"),
         ("remap_pending", GpuUnhealthy, "row remap is pending"),
         ("remap_failure", GpuUnhealthy, "row remap failed"),
         ("retired_pending", GpuUnhealthy, "pending retirement"),
@@ -164,3 +164,35 @@ def test_nic_check_sees_a_link_go_down(tmp_path: pathlib.Path) -> None:
     empty = health_check.ChainedNicHealthCheck(sysfs_root=str(tmp_path / "none"), on_unavailable="fail")
     with pytest.raises(GpuUnavailable, match="no InfiniBand port counters"):
         empty(STATE)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_volatile_ecc_count_is_compared_with_its_first_reading(
+    nvml: _native.NvmlLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The volatile count keeps every uncorrectable error since the driver
+    # loaded (nvml.h: "Volatile counts are reset each time the driver
+    # loads"), those already handled by a row remap included: a GPU that had
+    # one before the job is not unhealthy now. Only growth fails.
+    monkeypatch.setenv("FAKE_NVML_MODE", "ecc")
+    check = health_check.NvmlHealthCheck()
+    assert check(STATE) is STATE  # type: ignore[arg-type]
+    assert check.ecc_baseline == 2
+    assert check(STATE) is STATE  # type: ignore[arg-type]
+    monkeypatch.setenv("FAKE_NVML_MODE", "ecc_more")
+    with pytest.raises(GpuUnhealthy, match=r"GPU 0: 1 new volatile uncorrectable ECC errors \(3 since the driver"):
+        check(STATE)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_nvml_checks_follow_the_cuda_device_of_the_rank(
+    nvml: _native.NvmlLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    check = health_check.NvmlHealthCheck()
+    assert check(STATE) is STATE  # type: ignore[arg-type]
+    assert check.ordinal == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(GpuUnavailable, match="CUDA_ERROR_NO_DEVICE"):
+        health_check.NvmlHealthCheck(on_unavailable="fail")(STATE)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ using CUdeviceptr = unsigned long long;  // CUdeviceptr_v2 on 64-bit platforms
 
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrorNotReady = 600;
+constexpr CUresult kErrorUnknown = 999;
 
 // X(symbol, function type). Every one is required: a driver without one of
 // them is older than anything torch supports.

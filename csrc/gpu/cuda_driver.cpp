@@ -92,6 +92,13 @@ void with_primary_context(const CudaDriver::Api& api, JobState& s, int ordinal, 
     fail(api, out, "cuCtxSetCurrent", r);
   } else {
     body();
+    // CUDA_ERROR_UNKNOWN (999) from a call on a context that was working is
+    // the driver saying it does not know the state of the context (cuda.h
+    // 12.9 line 3116: "an unknown internal error has occurred"): it cannot be
+    // trusted again in this process. Outside a context (cuInit, a first
+    // retain) 999 means the device's compute mode is PROHIBITED (cuda.h
+    // 12.9 lines 5940, 6291) and says nothing about a context.
+    if (out.status == GpuStatus::kError && out.code == kErrorUnknown) out.context_lost = true;
     api.cuCtxSetCurrent(nullptr);
   }
   api.cuDevicePrimaryCtxRelease_v2(dev);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
+import os
 import pathlib
 import time
 from typing import Dict, List, Optional, Tuple
@@ -68,7 +69,8 @@ class FaultCounter(HealthCheck):
 # driver or NVML call fails the check instead of hanging the restart. Where
 # the GPU, the driver or NVML is missing, each says so and, by its
 # ``on_unavailable``, skips (logs at INFO and passes) or fails (raises
-# GpuUnavailable). LOCAL_RANK selects the device, as in NVRx.
+# GpuUnavailable). The device is ``device_index``, else LOCAL_RANK modulo the
+# devices this process sees (inprocess.gpu.device).
 
 _ON_UNAVAILABLE = ("skip", "fail")
 
@@ -95,6 +97,7 @@ class _GpuCheck(HealthCheck):
             device.cuda_ordinal(device_index)  # validates
         self.device_index = device_index
         self.on_unavailable = _check_on_unavailable(on_unavailable)
+        self.ordinal: Optional[int] = None  # the CUDA device the last run checked
 
     def _unavailable(self, state: FrozenState, reason: str) -> FrozenState:
         message = f"{type(self).__name__} unavailable: {reason}"
@@ -103,17 +106,40 @@ class _GpuCheck(HealthCheck):
         log.info("%s; skipped", message)
         return state
 
+    def _cuda_device(self, driver: _native.CudaDriver) -> Tuple[Optional[int], str]:
+        """This rank's CUDA device, by the devices the driver lets this
+        process see; None and the reason where it sees none."""
+        count = driver.device_count(int(self._timeout_s * 1e9))
+        if count.status == _native.GpuStatus.TIMED_OUT:
+            raise TimeoutError(f"{type(self).__name__}: {count.step} not done within {self._timeout_s:g}s")
+        if count.status != _native.GpuStatus.DONE:
+            if count.code in device.NO_DEVICE_ERRORS:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                return None, f"no CUDA device ({count.step}: {count.error_name}; CUDA_VISIBLE_DEVICES={visible!r})"
+            raise HealthCheckError(f"{type(self).__name__}: {count.step}: {count.error_name} ({count.code})")
+        if count.value == 0:
+            return None, "the CUDA driver reports no device"
+        return device.cuda_ordinal(self.device_index, int(count.value)), ""
+
     def _nvml_report(self) -> Tuple[Optional[_native.NvmlReport], str]:
         library, reason = libraries.nvml()
         if library is None:
             return None, reason
-        ordinal = device.cuda_ordinal(self.device_index)
         bus_id = ""
         driver, _ = libraries.cuda_driver()
         if driver is not None:
+            ordinal, reason = self._cuda_device(driver)
+            if ordinal is None:
+                return None, reason
             found = driver.pci_bus_id(ordinal, int(self._timeout_s * 1e9))
             if found.status == _native.GpuStatus.DONE:
                 bus_id = found.text
+        else:
+            visible = device.visible_in_environment()
+            if visible == 0:
+                return None, f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} leaves no device"
+            ordinal = device.cuda_ordinal(self.device_index, visible)
+        self.ordinal = ordinal
         report = library.query(device.nvml_identifier(ordinal, bus_id), int(self._timeout_s * 1e9))
         if report.status == _native.GpuStatus.TIMED_OUT:
             raise TimeoutError(f"{type(self).__name__}: NVML did not answer within {self._timeout_s:g}s")
@@ -156,7 +182,10 @@ class CudaHealthCheck(_GpuCheck):
         driver, reason = libraries.cuda_driver()
         if driver is None:
             return self._unavailable(state, reason)
-        ordinal = device.cuda_ordinal(self.device_index)
+        ordinal, reason = self._cuda_device(driver)
+        if ordinal is None:
+            return self._unavailable(state, reason)
+        self.ordinal = ordinal
         deadline = time.monotonic() + self._timeout_s
         synced = driver.synchronize_context(ordinal, int(self._timeout_s * 1e9))
         if synced.status == _native.GpuStatus.NO_CONTEXT:
@@ -164,7 +193,16 @@ class CudaHealthCheck(_GpuCheck):
             return state
         self._raise_for(synced, ordinal)
         left = max(deadline - time.monotonic(), 0.0)
-        self._raise_for(driver.probe(ordinal, self.probe_bytes, int(left * 1e9)), ordinal)
+        probed = driver.probe(ordinal, self.probe_bytes, int(left * 1e9))
+        if probed.status == _native.GpuStatus.ERROR and probed.code == _CUDA_ERROR_OUT_OF_MEMORY:
+            # The context answered the synchronisation: it works. A device
+            # whose memory torch's caching allocator keeps (it frees nothing
+            # back to the driver by itself) has none left for the probe;
+            # that is no reason to end a healthy rank.
+            log.warning("CudaHealthCheck: CUDA device %d has no %d bytes free for the probe (%s); "
+                        "the synchronisation passed, the rank goes on", ordinal, self.probe_bytes, probed.error_name)
+            return state
+        self._raise_for(probed, ordinal)
         return state
 
     def _raise_for(self, outcome: _native.CudaOutcome, ordinal: int) -> None:
@@ -177,12 +215,31 @@ class CudaHealthCheck(_GpuCheck):
         if outcome.context_lost:
             detail = outcome.error_name or "data read back differs from what was written"
             raise CudaContextLost(f"{what}: {detail}", outcome.code, outcome.error_name)
-        raise HealthCheckError(f"{what}: {outcome.error_name} ({outcome.code})")
+        hint = _CUDA_ERROR_HINTS.get((outcome.code, outcome.step), "")
+        raise HealthCheckError(f"{what}: {outcome.error_name} ({outcome.code}){hint}")
+
+
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+# Errors that end the check but say nothing about this process's context, so
+# the rank is terminated without exit status 76 (a new process on the same
+# device would meet them again).
+_CUDA_ERROR_HINTS = {
+    # cuda.h 12.9 line 2527: "requested CUDA device is unavailable at the
+    # current time ... EXCLUSIVE_PROCESS or PROHIBITED".
+    (46, "cuDevicePrimaryCtxRetain"): ": the device is held by another process (compute mode EXCLUSIVE_PROCESS)",
+    # cuda.h 12.9 line 5940: a first retain fails with CUDA_ERROR_UNKNOWN
+    # "if the compute mode of the device is CU_COMPUTEMODE_PROHIBITED".
+    (999, "cuDevicePrimaryCtxRetain"): ": the device's compute mode is PROHIBITED",
+}
 
 
 class NvmlHealthCheck(_GpuCheck):
     """Asks NVML whether this rank's GPU can be trusted. Fails on volatile
-    uncorrectable ECC errors, a row remap pending or failed, pages pending
+    uncorrectable ECC errors counted since the check's first run (its
+    baseline: the volatile count keeps errors since the driver was loaded,
+    errors the driver has already handled by a row remap or a page
+    retirement included, and would otherwise fail every later job on that
+    GPU until a reboot), a row remap pending or failed, pages pending
     retirement (``GpuUnhealthy``), and a GPU that fell off the bus
     (``CudaContextLost``). A counter the device does not report is not
     checked. Retired pages as such are not a failure (a GPU collects a few in
@@ -195,14 +252,22 @@ class NvmlHealthCheck(_GpuCheck):
         on_unavailable: str = "skip",
     ):
         super().__init__(timeout, device_index, on_unavailable)
+        self.ecc_baseline: Optional[int] = None
 
     def __call__(self, state: FrozenState) -> FrozenState:
         report, reason = self._nvml_report()
         if report is None:
             return self._unavailable(state, reason)
         problems = []
-        if report.ecc_volatile_uncorrected > 0:
-            problems.append(f"{report.ecc_volatile_uncorrected} volatile uncorrectable ECC errors")
+        ecc = report.ecc_volatile_uncorrected
+        if ecc >= 0 and self.ecc_baseline is None:
+            self.ecc_baseline = ecc
+            if ecc > 0:
+                log.info("NvmlHealthCheck: GPU %s had %d volatile uncorrectable ECC errors at the first check "
+                         "(the baseline); only new ones fail the check", self.ordinal, ecc)
+        if self.ecc_baseline is not None and ecc > self.ecc_baseline:
+            problems.append(f"{ecc - self.ecc_baseline} new volatile uncorrectable ECC errors "
+                            f"({ecc} since the driver was loaded, {self.ecc_baseline} at the first check)")
         if report.remapped_rows_pending > 0:
             problems.append("a row remap is pending (needs a GPU reset)")
         if report.remapped_rows_failure > 0:
@@ -210,7 +275,7 @@ class NvmlHealthCheck(_GpuCheck):
         if report.retired_pages_pending > 0:
             problems.append("pages are pending retirement (needs a GPU reset)")
         if problems:
-            raise GpuUnhealthy(f"GPU {device.cuda_ordinal(self.device_index)}: " + "; ".join(problems))
+            raise GpuUnhealthy(f"GPU {self.ordinal}: " + "; ".join(problems))
         return state
 
 
@@ -236,7 +301,7 @@ class ChainedGPUHealthCheck(_GpuCheck):
             return self._unavailable(state, "the driver reports no GPU recovery action (driver 570 or later)")
         if report.recovery_action != 0:
             raise GpuUnhealthy(
-                f"GPU {device.cuda_ordinal(self.device_index)}: the driver asks for recovery action "
+                f"GPU {self.ordinal}: the driver asks for recovery action "
                 f"{report.recovery_action} (1 reset, 2 node reboot, 3 drain P2P, 4 drain and reset)"
             )
         return state
@@ -270,7 +335,7 @@ class ChainedNVLHealthCheck(_GpuCheck):
             return state
         down = [i for i, was in enumerate(self.baseline) if was == 1 and (i >= len(links) or links[i] != 1)]
         if down:
-            raise GpuUnhealthy(f"GPU {device.cuda_ordinal(self.device_index)}: NVLinks {down} went down")
+            raise GpuUnhealthy(f"GPU {self.ordinal}: NVLinks {down} went down")
         return state
 
 

@@ -9,6 +9,19 @@
  *   oom                     cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY (2), not sticky
  *   vanish                  the device drops off the bus mid-probe: reads back all ones
  *   probe_hangs             cuMemcpyDtoH never returns
+ *   unknown                 cuCtxSynchronize: CUDA_ERROR_UNKNOWN (999) on a working context
+ *   prohibited              cuDevicePrimaryCtxRetain: CUDA_ERROR_UNKNOWN (999), the answer of a
+ *                           device in CU_COMPUTEMODE_PROHIBITED (cuda.h 12.9 line 5940)
+ *   device_unavailable      cuDevicePrimaryCtxRetain: CUDA_ERROR_DEVICE_UNAVAILABLE (46), a device
+ *                           held by another process in EXCLUSIVE_PROCESS mode (cuda.h 12.9 line 2527)
+ *
+ * The devices are those CUDA_VISIBLE_DEVICES lets the process see, as the
+ * real driver numbers them: unset, both; "0", "1" or "GPU-..." entries, one
+ * per entry (up to two); set to "" or to no valid entry, none, and cuInit
+ * answers CUDA_ERROR_NO_DEVICE (100; cuda.h 12.9 line 2535: "no CUDA-capable
+ * devices were detected"). The real driver reads the variable once, at
+ * cuInit; this fake reads it at every call so that one test process can try
+ * several settings.
  * Built with -DFAKE_CUDA_OMIT_STREAM_QUERY it lacks cuStreamQuery (a missing symbol). */
 #include <pthread.h>
 #include <stdio.h>
@@ -52,8 +65,34 @@ long fake_cuda_allocations(void) { return get(&g_allocations); }
 long fake_cuda_retained_contexts(void) { return get(&g_retained); }
 long fake_cuda_stream_queries(void) { return get(&g_stream_queries); }
 
+/* How many devices CUDA_VISIBLE_DEVICES leaves visible, of the fake's two.
+ * The driver stops at the first entry it cannot parse (the CUDA C
+ * Programming Guide, "CUDA Environment Variables": "only the devices whose
+ * index is present in the sequence are visible ... if one of the indices is
+ * invalid, only the devices whose index precedes the invalid index are
+ * visible"). */
+static int visible_devices(void) {
+  const char* visible = getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == NULL) return 2;
+  int count = 0;
+  const char* p = visible;
+  while (*p != '\0' && count < 2) {
+    while (*p == ' ') ++p;
+    const int index = (*p == '0' || *p == '1') && (p[1] == '\0' || p[1] == ',' || p[1] == ' ');
+    if (index || strncmp(p, "GPU-", 4) == 0) {
+      ++count;
+    } else {
+      break;
+    }
+    while (*p != '\0' && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return count;
+}
+
 CUresult cuInit(unsigned int flags) {
   (void)flags;
+  if (visible_devices() == 0) return 100; /* CUDA_ERROR_NO_DEVICE */
   return 0;
 }
 
@@ -63,12 +102,14 @@ CUresult cuDriverGetVersion(int* version) {
 }
 
 CUresult cuDeviceGetCount(int* count) {
-  *count = 2;
+  if (visible_devices() == 0) return 3; /* CUDA_ERROR_NOT_INITIALIZED: cuInit failed */
+  *count = visible_devices();
   return 0;
 }
 
 CUresult cuDeviceGet(int* device, int ordinal) {
-  if (ordinal < 0 || ordinal >= 2) return 101; /* CUDA_ERROR_INVALID_DEVICE */
+  if (visible_devices() == 0) return 3; /* CUDA_ERROR_NOT_INITIALIZED */
+  if (ordinal < 0 || ordinal >= visible_devices()) return 101; /* CUDA_ERROR_INVALID_DEVICE */
   *device = ordinal;
   return 0;
 }
@@ -87,6 +128,8 @@ CUresult cuDevicePrimaryCtxGetState(int device, unsigned int* flags, int* active
 
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int device) {
   (void)device;
+  if (mode_is("prohibited")) return 999;        /* CUDA_ERROR_UNKNOWN */
+  if (mode_is("device_unavailable")) return 46; /* CUDA_ERROR_DEVICE_UNAVAILABLE */
   *ctx = &g_context_token;
   add(&g_retained, 1);
   return 0;
@@ -106,6 +149,7 @@ CUresult cuCtxSetCurrent(void* ctx) {
 CUresult cuCtxSynchronize(void) {
   if (mode_is("sync_hangs")) hang_forever();
   if (mode_is("sticky")) return 700;
+  if (mode_is("unknown")) return 999;
   return 0;
 }
 
@@ -154,9 +198,13 @@ static const char* name_of(CUresult error) {
   switch (error) {
     case 0: return "CUDA_SUCCESS";
     case 2: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case 3: return "CUDA_ERROR_NOT_INITIALIZED";
+    case 46: return "CUDA_ERROR_DEVICE_UNAVAILABLE";
+    case 100: return "CUDA_ERROR_NO_DEVICE";
     case 101: return "CUDA_ERROR_INVALID_DEVICE";
     case 600: return "CUDA_ERROR_NOT_READY";
     case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case 999: return "CUDA_ERROR_UNKNOWN";
     default: return NULL;
   }
 }
