@@ -16,7 +16,7 @@ import pytest
 from fakes.gpu_fakes import Fakes, build_fakes, counter, run_python
 from inprocess import _native
 from inprocess.abort import AbortTorchDistributed
-from inprocess.gpu import NcclAbortTimeout, flight_recorder, libraries, nccl_abort
+from inprocess.gpu import NcclAbortTimeout, libraries, nccl_abort
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -277,32 +277,7 @@ def test_abort_by_pointer_for_a_leaving_rank(nccl: _native.NcclLibrary, fakes: F
 
 
 # ---------------------------------------------------------------------------
-# Flight recorder
-
-
-class FakeC10d:
-    def __init__(self, payload: bytes = b"", hang_s: float = 0.0, fail: bool = False):
-        self.payload, self.hang_s, self.fail = payload, hang_s, fail
-
-    def _dump_nccl_trace(self) -> bytes:
-        time.sleep(self.hang_s)
-        if self.fail:
-            raise RuntimeError("flight recorder disabled")
-        return self.payload
-
-
-@pytest.mark.timeout(30)
-def test_flight_recorder_dump(tmp_path: "os.PathLike[str]") -> None:
-    path = os.path.join(str(tmp_path), "fr", flight_recorder.trace_path("trace_{rank}_{iteration}.bin", 3, 7))
-    assert path.endswith("trace_3_7.bin")
-    assert flight_recorder.dump(path, 1.0, FakeC10d(b"\x80\x04records"))
-    with open(path, "rb") as f:
-        assert f.read() == b"\x80\x04records"
-    started = time.monotonic()
-    assert not flight_recorder.dump(path + ".2", 0.2, FakeC10d(hang_s=10))
-    assert time.monotonic() - started < 0.2 + SLACK_S and not os.path.exists(path + ".2")
-    assert not flight_recorder.dump(path + ".3", 1.0, FakeC10d(fail=True))
-    assert not flight_recorder.dump(path + ".4", 1.0, object())  # a torch without a flight recorder
+# The flight recorder's dump: tests/test_flight_recorder.py
 
 
 def test_abort_hook_validates_its_arguments() -> None:

@@ -3,29 +3,75 @@ group of this process) to a file before the abort erases it, bounded by a
 deadline: a dump that hangs is abandoned, and the abort goes on.
 
 The file holds what torch's ``_dump_nccl_trace()`` returns, byte for byte
-(torch's own pickle format, read by torch's flight-recorder analyser
-``torchfrtrace``); inprocess never unpickles it.
+(torch's own pickle format); inprocess never unpickles it. Its name is the
+one torch's analyser (``python -m torch.distributed.flight_recorder.fr_trace
+DIR``) reads: its loader takes the rank from the end of the file name
+(``torch/distributed/flight_recorder/components/loader.py``, ``read_dump``:
+``rank = int(basename[len(prefix):])``) and wants one common prefix for every
+file of a folder (``_determine_prefix``, the pattern ``([\\w\\-\\_]*?)(\\d+)$``).
+So the file name ends with the rank, nothing after it, and the iteration, if
+wanted, names a folder: ``fr/iter_{iteration}/rank_{rank}``.
+
+What is dumped is what NVRx's collector and torch's own watchdog fall back
+to: collectives, without stack traces, only the entries still active. The
+binding (``torch/csrc/distributed/c10d/init.cpp``, ``_dump_nccl_trace``)
+keeps the GIL for the whole dump and defaults to ``includeStackTraces=True``,
+whose symbolisation of Python frames can wait for what waits for the GIL;
+NVRx (``attribution/trace_analyzer/trace_collector.py``) passes
+``includeStackTraces=False, onlyActive=True`` to avoid that deadlock, and
+torch's heartbeat monitor (``ProcessGroupNCCL::HeartbeatMonitor::runLoop``)
+retries its own dump without stack traces when the first one does not
+finish. A call that holds the GIL cannot be abandoned from Python (the
+waiting thread needs the GIL to wake), so leaving the stack traces out is
+what keeps the dump bounded; the deadline covers a dump that waits without
+the GIL (the flight recorder's lock), and the rank's hard timeout covers the
+rest.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import string
 from typing import Any, Optional
 
 from .bounded import call_within
 
 log = logging.getLogger("inprocess")
 
+# The arguments of every dump (see the module's docstring).
+DUMP_ARGUMENTS = {"includeCollectives": True, "includeStackTraces": False, "onlyActive": True}
+
+_FIELDS = ("rank", "iteration")
+
+
+def check_template(template: str) -> None:
+    """Raises ValueError unless `template` fills in only ``{rank}`` and
+    ``{iteration}`` and gives a file name torch's analyser can read: ending
+    with ``{rank}``, without ``{iteration}`` (put it in a folder)."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"torch_fr_trace_path={template!r}: {e}") from None
+    unknown = [f for f in fields if f not in _FIELDS]
+    if unknown:
+        raise ValueError(
+            f"torch_fr_trace_path={template!r}: only {{rank}} and {{iteration}} may be filled in ({unknown[0]!r})"
+        )
+    name = os.path.basename(template)
+    if not name.endswith("{rank}") or "{iteration}" in name or re.search(r"\d$", name[: -len("{rank}")]):
+        raise ValueError(
+            f"torch_fr_trace_path={template!r}: the file name must end with {{rank}} (torch's flight-recorder "
+            "analyser reads the rank from the end of the name, e.g. 'fr/iter_{iteration}/rank_{rank}'), "
+            "with the iteration, if any, in a folder"
+        )
+
 
 def trace_path(template: str, rank: int, iteration: int) -> str:
     """`template` with ``{rank}`` and ``{iteration}`` filled in."""
-    try:
-        return template.format(rank=rank, iteration=iteration)
-    except (KeyError, IndexError) as e:
-        raise ValueError(
-            f"torch_fr_trace_path={template!r}: only {{rank}} and {{iteration}} may be filled in ({e})"
-        ) from None
+    check_template(template)
+    return template.format(rank=rank, iteration=iteration)
 
 
 def dump(path: str, timeout: float, c10d: Optional[Any] = None) -> bool:
@@ -41,7 +87,7 @@ def dump(path: str, timeout: float, c10d: Optional[Any] = None) -> bool:
     if dump_trace is None:
         log.warning("flight recorder not dumped: this torch has no NCCL flight recorder (_dump_nccl_trace)")
         return False
-    result = call_within(dump_trace, timeout, "inprocess-fr-dump")
+    result = call_within(lambda: dump_trace(**DUMP_ARGUMENTS), timeout, "inprocess-fr-dump")
     if not result.finished:
         log.error("flight recorder dump did not finish within %gs; the abort goes on without it", timeout)
         return False
@@ -51,7 +97,7 @@ def dump(path: str, timeout: float, c10d: Optional[Any] = None) -> bool:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(bytes(result.value))
     os.replace(tmp, path)
