@@ -47,6 +47,7 @@ from .exception import (
     RestartAbort,
     TimeoutError,
 )
+from .gpu import settings as gpu_settings
 from .gpu.errors import leave_for_lost_context, lost_context_in
 from .rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from .state import FrozenState, Mode, State
@@ -156,6 +157,7 @@ class CallWrapper:
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
+        gpu_settings.warn_once()  # once per process, and only where NCCL can run on a GPU
         call_index = self._enter()
         try:
             self._rt = RankRuntime.open(

@@ -33,6 +33,7 @@ VARIANTS = {
     "nccl_no_revoke": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_NO_REVOKE"]),
     "nccl_no_abort": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_OMIT_ABORT"]),
     "nvml": ("fake_nvml.c", "libnvidia-ml.so.1", []),
+    "torch_watchdog": ("fake_torch_watchdog.c", "libfake_torch_watchdog.so", []),
 }
 
 
