@@ -5,9 +5,14 @@ the native extension's dlopen layer (no CUDA at build time, design principle 6).
   context is lost (design principle 9);
 - :mod:`.libraries`: opening the libraries once per process, with a clear
   reason when one is unavailable;
-- :mod:`.device`: which device this rank uses (``LOCAL_RANK``);
+- :mod:`.device`: which device this rank uses (``LOCAL_RANK`` modulo the
+  visible devices);
 - :mod:`.nccl_abort`: releasing torch's NCCL communicators within a deadline;
-- :mod:`.flight_recorder`: dumping torch's NCCL flight recorder before an abort.
+- :mod:`.flight_recorder`: dumping torch's NCCL flight recorder before an abort;
+- :mod:`.settings`: the torch/NCCL environment an in-process restart needs,
+  and the one warning when the running configuration contradicts it;
+- :mod:`.acceptance`: ``python -m inprocess.gpu.acceptance``, the first
+  command to run on a GPU machine.
 
 The health checks built on them are in :mod:`inprocess.health_check`.
 """
