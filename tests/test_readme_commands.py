@@ -43,6 +43,10 @@ CHECKED_ELSEWHERE = {
     "cmake -S . -B build/bench -DINPROCESS_BUILD_BENCH=ON -Dpybind11_DIR=$(python -m pybind11 --cmakedir) "
     "&& cmake --build build/bench --target inprocess_microbench && ./build/bench/inprocess_microbench":
         "a C++ build of minutes; built and run by hand (report of the launchers branch)",
+    "export TORCH_NCCL_ASYNC_ERROR_HANDLING=2": "a setting; tests/test_gpu_settings.py checks the warning about it",
+    "export TORCH_NCCL_RETHROW_CUDA_ERRORS=0": "a setting; tests/test_gpu_settings.py shows exit 76 with it",
+    "export TORCH_NCCL_NONBLOCKING_TIMEOUT=20": "a setting; tests/test_gpu_settings.py checks the warning about it",
+    "python -m inprocess.gpu.acceptance --out acceptance/": "tests/test_gpu_acceptance.py runs its no-GPU mode",
     'INPROCESS_FAULTS="sigkill@rank=2,step=30;exception@rank=1,after=5s,iteration=1" '
     "python -m inprocess.launch --nproc 4 train.py": "train.py stands for the user's script; "
                                                      "tests/test_examples.py runs such plans on the examples",
