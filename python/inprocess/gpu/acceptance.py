@@ -200,7 +200,7 @@ def _job_check(name: str, check: str, nproc: int, env: Dict[str, str], judge: An
 
 
 def _judge_own_device(reports: List[Dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
-    bad = [r for r in reports if r["devices_with_context"] != [r["own_uuid"]] or r["pointers"] < 1]
+    bad = [r for r in reports if r["devices_with_context"] != [r["own_device"]] or r["pointers"] < 1]
     hint = ""
     if reports and all(not r["devices_with_context"] for r in reports):
         hint = " (nvidia-smi lists no process of these PIDs: in a container it shows the host's PIDs; " \
@@ -314,6 +314,16 @@ def _abort_from_a_fresh_thread(seconds: float) -> float:
     return took[0] if took else float("nan")
 
 
+def _bus_id(text: str) -> str:
+    """A PCI bus id as nvidia-smi ("00000000:3B:00.0") and cuDeviceGetPCIBusId
+    ("0000:3b:00.0") both write it, in one form."""
+    domain, _, rest = text.strip().partition(":")
+    try:
+        return f"{int(domain, 16):x}:{rest.lower()}"
+    except ValueError:
+        return text.strip().lower()
+
+
 def _worker_own_device() -> None:
     torch, dist, local = _setup()
     from . import nccl_abort
@@ -337,13 +347,15 @@ def _worker_own_device() -> None:
     abort_s = time.monotonic() - t
     time.sleep(2.0)  # every rank has aborted before anyone looks
     pid = str(os.getpid())
-    devices = sorted({row[1] for row in _nvidia_smi("compute-apps=pid,gpu_uuid") if row and row[0] == pid})
-    own = _nvidia_smi("gpu=index,uuid")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = visible.split(",")[local].strip() if visible else str(local)
-    own_uuid = next((row[1] for row in own if row[0] == physical or row[1] == physical), "?")
+    # By PCI bus id: nvidia-smi numbers the GPUs its own way, whatever
+    # CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say.
+    devices = sorted({_bus_id(row[1]) for row in _nvidia_smi("compute-apps=pid,gpu_bus_id") if row and row[0] == pid})
+    from . import libraries
+
+    driver, reason = libraries.cuda_driver()
+    own = driver.pci_bus_id(local, 10 * 1_000_000_000).text if driver is not None else f"? ({reason})"
     _emit(rank=int(os.environ["RANK"]), pointers=seen.get("pointers", 0), revoked=seen.get("revoked", False),
-          devices_with_context=devices, own_uuid=own_uuid, abort_s=abort_s)
+          devices_with_context=devices, own_device=_bus_id(own), abort_s=abort_s)
     os._exit(0)  # the groups were aborted: no teardown that could wait on them
 
 
@@ -410,14 +422,19 @@ def _worker_sticky() -> None:
     import torch
     import torch.distributed as dist
 
+    from ..call_wrapper import CallWrapper
     from ..health_check import CudaHealthCheck
     from ..wrap import Wrapper
 
     @Wrapper(health_check=CudaHealthCheck(), soft_timeout=datetime.timedelta(seconds=30),
              hard_timeout=datetime.timedelta(seconds=60), barrier_timeout=datetime.timedelta(seconds=90))
-    def train() -> None:
+    def train(call_wrapper: Optional[CallWrapper] = None) -> None:
+        assert call_wrapper is not None
+        state = call_wrapper.frozen_state
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+        # The wrapper's own store: MASTER_PORT is taken by it.
+        dist.init_process_group("nccl", store=call_wrapper.store, rank=state.active_rank or 0,
+                                world_size=state.active_world_size or 1, device_id=torch.device("cuda", 0))
         x = torch.ones(16, device="cuda")
         dist.all_reduce(x)
         torch.cuda.synchronize()
