@@ -29,6 +29,8 @@ def fakes() -> Fakes:
 def driver(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> Iterator[_native.CudaDriver]:
     monkeypatch.setenv("FAKE_CUDA_MODE", "ok")
     monkeypatch.setenv("INPROCESS_LIBCUDA", fakes["cuda"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the fake's two devices, whatever CI sets
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     libraries.forget()
     d, reason = libraries.cuda_driver()
     assert d is not None, reason
