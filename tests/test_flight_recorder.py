@@ -21,7 +21,7 @@ SLACK_S = 0.25
 
 
 class FakeC10d:
-    """torch's ``_dump_nccl_trace`` binding (``torch/csrc/distributed/c10d/init.cpp``):
+    """torch's ``_dump_nccl_trace`` binding (``torch/csrc/distributed/c10d/init.cpp``, pytorch/pytorch@00814e6e):
     three optional keyword arguments, defaults includeCollectives=True,
     includeStackTraces=True, onlyActive=False; returns the pickled dump."""
 

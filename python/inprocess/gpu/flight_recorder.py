@@ -14,8 +14,10 @@ wanted, names a folder: ``fr/iter_{iteration}/rank_{rank}``.
 
 What is dumped is what NVRx's collector and torch's own watchdog fall back
 to: collectives, without stack traces, only the entries still active. The
-binding (``torch/csrc/distributed/c10d/init.cpp``, ``_dump_nccl_trace``)
-keeps the GIL for the whole dump and defaults to ``includeStackTraces=True``,
+binding (``torch/csrc/distributed/c10d/init.cpp``, ``_dump_nccl_trace``, as
+read at pytorch/pytorch@00814e6e: unlike the bindings around it, no
+``py::call_guard<py::gil_scoped_release>``) keeps the GIL for the whole dump
+and defaults to ``includeStackTraces=True`` and ``onlyActive=False``,
 whose symbolisation of Python frames can wait for what waits for the GIL;
 NVRx (``attribution/trace_analyzer/trace_collector.py``) passes
 ``includeStackTraces=False, onlyActive=True`` to avoid that deadlock, and
