@@ -62,3 +62,26 @@ def test_without_the_tests_it_says_so(tmp_path: pathlib.Path, capsys: pytest.Cap
     assert report["results"][0] == {"name": "tests of the GPU layer on its fakes", "status": "skip",
                                     "detail": "tests not found", "seconds": 0.0}
     assert "pass --tests path/to/checkout/tests" in capsys.readouterr().out
+
+
+def test_the_gpu_checks_judge_what_the_workers_report() -> None:
+    # The GPU checks cannot run here; what decides pass or fail from the
+    # workers' reports can.
+    done = subprocess.CompletedProcess([], 0, "", "")
+    line = 'x ACCEPTANCE {"rank": 0, "pointers": 2, "revoked": true, "devices_with_context": ["0:3b:00.0"], ' \
+           '"own_device": "0:3b:00.0", "abort_s": 0.01}'
+    reports = acceptance._reports(line + "\nnoise\n")
+    ok, detail = acceptance._judge_own_device(reports, done)
+    assert ok and "rank 0: 2 communicator pointers, revoked=True, contexts on 1 device(s)" in detail
+    stray = [dict(reports[0], devices_with_context=["0:18:00.0", "0:3b:00.0"])]  # a context on GPU 0 too
+    assert not acceptance._judge_own_device(stray, done)[0]
+    assert not acceptance._judge_own_device([dict(reports[0], pointers=0)], done)[0]  # torch's abort alone
+    hidden = [dict(reports[0], devices_with_context=[])]
+    assert "in a container" in acceptance._judge_own_device(hidden, done)[1]
+    assert acceptance._bus_id("00000000:3B:00.0") == acceptance._bus_id("0000:3b:00.0") == "0:3b:00.0"
+    judge = acceptance._judge_released(27.0)
+    assert judge([{"released_s": 2.4}, {"released_s": 3.1}], done)[0]
+    assert not judge([{"released_s": 2.4}, {"released_s": 28.0}], done)[0]
+    assert not judge([], done)[0]
+    ok, detail = acceptance._judge_latency([{"release_ms": [12.0, 30.0, 9.0, 11.0, 10.0]}], done)
+    assert ok and detail.startswith("hung all_reduce released by the abort: p50 11.0 ms, max 30.0 ms over 5 runs")
