@@ -171,6 +171,7 @@ class CallWrapper:
             finally:
                 self._rt.close()
         finally:
+            faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
             self._exit()
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
