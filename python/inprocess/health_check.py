@@ -71,6 +71,7 @@ class FaultCounter(HealthCheck):
 # GpuUnavailable). LOCAL_RANK selects the device, as in NVRx.
 
 _ON_UNAVAILABLE = ("skip", "fail")
+_said_unavailable: set[str] = set()  # "unavailable" messages already logged at INFO in this process
 
 
 def _check_on_unavailable(value: str) -> str:
@@ -100,7 +101,11 @@ class _GpuCheck(HealthCheck):
         message = f"{type(self).__name__} unavailable: {reason}"
         if self.on_unavailable == "fail":
             raise GpuUnavailable(message)
-        log.info("%s; skipped", message)
+        # Once per process at INFO (the same reason holds for every later check), then at DEBUG.
+        first = message not in _said_unavailable
+        _said_unavailable.add(message)
+        log.log(logging.INFO if first else logging.DEBUG, "%s; skipped%s", message,
+                " (said once: later checks skip at DEBUG level)" if first else "")
         return state
 
     def _nvml_report(self) -> Tuple[Optional[_native.NvmlReport], str]:

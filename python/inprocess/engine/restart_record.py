@@ -124,10 +124,11 @@ class RestartRecord:
         return {name: max(0, end - start) / 1e6 for name, start, end in marks if start and end}
 
     def repeat_note(self) -> str:
-        """How many times in a row this restart's cause came ("" the first time)."""
-        if self.repeats < 2:
-            return ""
+        """How many times in a row this restart's cause came: from the second time when it was on one and
+        the same rank every time, else from the third ("" before)."""
         rank = self.repeated_on_rank
+        if self.repeats < (2 if rank is not None else 3):
+            return ""
         if rank is not None and self.causes and all(f.kind == "soft_timeout" for f in self.causes):
             return f"the same rank ({rank}) timed out {self.repeats} times in a row"
         where = f" (on rank {rank} each time)" if rank is not None else ""
@@ -142,7 +143,7 @@ class RestartRecord:
             text += "; consequences (not causes): " + "; ".join(f"rank {f.rank} {f.type}" for f in self.consequences)
         if self.n_faults > len(self.faults):
             text += f" (+{self.n_faults - len(self.faults)} more fault records)"
-        if self.repeats > 1:
+        if self.repeat_note():
             text += f"; {self.repeat_note()}"
         text += f"; excluded: {self.terminated or 'none'}"
         if self.activated:
