@@ -100,10 +100,12 @@ class RestartRecord:
     activated: list[int] = dataclasses.field(default_factory=list)  # spares (initial ranks) made active
     repeats: int = 1  # restarts in a row with the same cause, this one included (engine/storm.py)
     repeated_on_rank: Optional[int] = None  # the one rank that cause was on every time, if one
+    backoff_s: float = 0.0  # the wait before the next iteration: a restart storm (engine/storm.py)
 
     @property
     def duration_s(self) -> float:
-        """Fault (or detection, for faults on other hosts) to resumption, in seconds."""
+        """Fault (or detection, for faults on other hosts) to resumption, in seconds (a restart storm's
+        back-off, ``backoff_s``, included once the next iteration has started)."""
         start = self.fault_ns or self.detected_ns
         end = self.initialized_ns or self.decided_ns
         return max(0, end - start) / 1e9

@@ -212,6 +212,7 @@ class StormBrake:
         causes = tuple({signature(f): f for f in reversed(record.causes) if signature(f) in self._common}.values())
         self._ranks &= {f.rank for f in causes}
         record.repeats = self._repeats
+        record.backoff_s = self._backoff_s
         record.repeated_on_rank = next(iter(self._ranks)) if len(self._ranks) == 1 else None
         now = time.monotonic()
         if not self.in_storm:
