@@ -165,3 +165,16 @@ def test_a_retry_controller_still_ends_a_storm_at_its_iteration(tmp_path):
         # A rank that leaves at iteration 5 first restarts the other, which may then meet the limit at 6.
         assert r["ended"] == "RestartAbort" and "reached max_iterations=5" in r["message"], r
     assert len([line for line in output.splitlines() if "restart storm:" in line]) == 1, output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_function_blocked_past_soft_timeout_every_iteration_is_named_in_the_summary(tmp_path):
+    """Restarted every soft_timeout, for ever: too slow for a storm, but the summary says it repeats."""
+    results, output, codes = run_storm_job(tmp_path, 6.0, env={"STORM_MODE": "sleep", "STORM_SOFT_TIMEOUT": "1"})
+    assert codes == [0, 0], output
+    restarts = results[0]["restarts"]
+    assert len(restarts) >= 3, output
+    last = restarts[-1]["summary"]
+    assert "rank 1 soft_timeout" in last, last
+    assert f"the same rank (1) timed out {restarts[-1]['repeats']} times in a row" in last, last

@@ -5,6 +5,9 @@ STORM_MODE selects the reason:
 * ``raise`` (default): rank 1 raises at once in every iteration, with a message
   whose numbers change (a port, the iteration), as a real error's do; the other
   ranks wait for the restart.
+* ``sleep``: rank 1 sleeps (an interruptible call, no progress) past
+  ``soft_timeout`` (STORM_SOFT_TIMEOUT seconds) in every iteration, so the job
+  restarts every soft_timeout;
 * ``own_store``: as nvidia_resiliency_ext's advanced example, rank 0 hosts a
   torch TCPStore of its own (MASTER_PORT + 2) and every rank builds its process
   group on it; rank 0 is SIGKILLed in iteration 0, after which every iteration
@@ -66,7 +69,9 @@ if MODE == "own_store":
 @inprocess.Wrapper(
     initialize=(inprocess.initialize.RetryController(max_iterations=int(MAX_ITERATIONS))
                 if MAX_ITERATIONS else None),
-    soft_timeout=datetime.timedelta(seconds=20),
+    soft_timeout=datetime.timedelta(seconds=float(os.environ.get("STORM_SOFT_TIMEOUT", "20"))),
+    progress_watchdog_interval=datetime.timedelta(seconds=0.2),
+    monitor_thread_interval=datetime.timedelta(seconds=0.2),
     hard_timeout=datetime.timedelta(seconds=30),
     barrier_timeout=datetime.timedelta(seconds=40),
     completion_timeout=datetime.timedelta(seconds=30),
@@ -77,6 +82,12 @@ def train(call_wrapper: inprocess.CallWrapper = None):
                     "summary": r.summary(state.active_world_size, state.world_size)} for r in call_wrapper.restarts]
     until = storm_until()
     if time.time() >= until:
+        return state.iteration
+    if MODE == "sleep":
+        if RANK == 1:
+            time.sleep(until - time.time() + 0.5)  # no progress: a soft timeout
+        while time.time() < until + 0.5:
+            time.sleep(0.05)  # progress (bytecode runs between the sleeps): waits for the restart
         return state.iteration
     if MODE == "raise":
         if RANK == 1:
