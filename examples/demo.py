@@ -7,8 +7,10 @@
 
 A small MLP trains under DDP (gloo) for 100 steps. Rank 2 raises at step 30,
 rank 1 at step 60, and rank 0's process is SIGKILLed at step 80; each time the
-ranks still there restart the function in-process, resume from the last step
-they all committed, and the current rank 0 prints one line per restart. The
+ranks still there restart the function in-process and resume from the last step
+they all committed. The library says what happened (its one WARNING line per
+restart, on the lowest active rank: the cause, who left, how long it took), and
+the current rank 0 prints the step the ranks resume at. The
 process group's rendezvous runs on ``call_wrapper.store``, served by the store
 host process (not by rank 0's process), so the job survives losing rank 0.
 Environment: DEMO_STEPS, DEMO_FAULTS ("rank:step[:kill],...").
@@ -23,11 +25,6 @@ import signal
 import sys
 import time
 from typing import Optional
-
-import torch
-import torch.distributed as dist
-
-import inprocess
 
 TOTAL_STEPS = int(os.environ.get("DEMO_STEPS", "100"))
 
@@ -44,6 +41,29 @@ def parse_faults(spec: str) -> list[tuple[int, int, str]]:
 
 
 FAULTS = parse_faults(os.environ.get("DEMO_FAULTS", "2:30,1:60,0:80:kill"))
+
+
+def launch(world_size: int = 4) -> int:
+    from inprocess.launch import LocalJob
+
+    killed = {rank for rank, _, kind in FAULTS if kind == "kill"}
+    with LocalJob([__file__], world_size, capture=False) as job:
+        ranks = job.wait(timeout=300)
+    # A rank killed on purpose ends with SIGKILL; every other rank must succeed.
+    bad = [r for r in ranks if r.returncode != (-signal.SIGKILL if r.rank in killed else 0)]
+    for r in bad:
+        print(f"[demo] rank {r.rank} ended with return code {r.returncode}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__" and "RANK" not in os.environ:
+    # The launcher needs no torch (only the ranks import it): it starts them and waits.
+    sys.exit(launch())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import inprocess  # noqa: E402
 
 
 class TrainState:
@@ -92,12 +112,6 @@ def build_model() -> torch.nn.Module:
 def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = None) -> float:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
-    if me.active_rank == 0:
-        for n, r in enumerate(call_wrapper.restarts[-1:], start=len(call_wrapper.restarts)):
-            # The causes only: a peer's broken connection after a rank died is a consequence.
-            why = "; ".join(f"rank {f.rank}: {f.type}: {f.message}" for f in r.causes) or "no fault recorded"
-            print(f"[demo] restart {n}: iteration {r.iteration} failed ({why}); "
-                  f"restarted in {r.duration_s * 1e3:.0f} ms", flush=True)
     # A process group per iteration, on the store the engine scopes to it. Its
     # timeout is short: it bounds the rare gloo collective that a restart cannot
     # release (README, "Gloo timeout").
@@ -112,9 +126,11 @@ def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = Non
         model.load_state_dict(state.snapshot[0])
         opt.load_state_dict(state.snapshot[1])
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    if me.active_rank == 0 and call_wrapper.iteration > 0:
-        print(f"[demo] iteration {call_wrapper.iteration}: {me.active_world_size} ranks resume at step {state.step}",
-              flush=True)
+    if me.active_rank == 0 and call_wrapper.restarts:
+        # The restart itself was logged by the library (its summary); call_wrapper.restarts holds its record.
+        record = call_wrapper.restarts[-1]
+        print(f"[demo] iteration {call_wrapper.iteration}: {me.active_world_size} ranks resume at step {state.step}, "
+              f"{record.duration_s * 1e3:.0f} ms after the fault", flush=True)
     initial_rank = me.initial_rank
     state.active_rank = me.active_rank
     while state.step < TOTAL_STEPS:
@@ -149,18 +165,5 @@ def run_rank() -> int:
     return 0
 
 
-def launch(world_size: int = 4) -> int:
-    from inprocess.launch import LocalJob
-
-    killed = {rank for rank, _, kind in FAULTS if kind == "kill"}
-    with LocalJob([__file__], world_size, capture=False) as job:
-        ranks = job.wait(timeout=300)
-    # A rank killed on purpose ends with SIGKILL; every other rank must succeed.
-    bad = [r for r in ranks if r.returncode != (-signal.SIGKILL if r.rank in killed else 0)]
-    for r in bad:
-        print(f"[demo] rank {r.rank} ended with return code {r.returncode}", file=sys.stderr)
-    return 1 if bad else 0
-
-
 if __name__ == "__main__":
-    sys.exit(run_rank() if "RANK" in os.environ else launch())
+    sys.exit(run_rank())

@@ -36,7 +36,7 @@ MONITOR = MonitorConfig(
     store_host="node-7.example", store_port=29500, call=3, rank=12, heartbeat_fd=5, pid=4242, grace_s=0.1,
     kill_wait_s=2.5, world_size=16, store_timeout_s=1e-9, barrier_timeout_s=120, heartbeat_interval_s=0.3,
     heartbeat_timeout_s=1.7, pidfile="/tmp/a dir/monitor 12.pid", logfile="--odd name.log", log_level="DEBUG",
-    incarnation="torchrun.job%2F1.2+slurm.7.0.",
+    incarnation="torchrun.job%2F1.2+slurm.7.0.", log_format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
 )
 STORE_HOST = StoreHostConfig(port=0, world_size=8, idle_timeout_s=60, ready_fd=9, parent_pid=77,
                              check_interval_s=0.25, libuv=False, log_level="ERROR")
@@ -50,15 +50,15 @@ BAD_VALUES: dict[type, dict[str, Any]] = {
         "log_level": "LOUD", "logfile": 3, "store_host": "", "store_port": 0, "call": -1, "rank": -1,
         "heartbeat_fd": -1, "pid": 0, "grace_s": -1.0, "kill_wait_s": 0, "world_size": 0, "store_timeout_s": 0,
         "barrier_timeout_s": float("nan"), "heartbeat_interval_s": -0.5, "heartbeat_timeout_s": "1", "pidfile": 7,
-        "incarnation": "torchrun.a/b.0",
+        "incarnation": "torchrun.a/b.0", "log_format": 3,
     },
     StoreHostConfig: {
         "log_level": "info", "logfile": b"log", "port": 65536, "world_size": 0, "idle_timeout_s": 0, "ready_fd": -2,
-        "parent_pid": -1, "check_interval_s": float("inf"), "libuv": 1, "incarnation": 3,
+        "parent_pid": -1, "check_interval_s": float("inf"), "libuv": 1, "incarnation": 3, "log_format": b"%(message)s",
     },
     NodeAgentConfig: {
         "log_level": None, "logfile": 1.5, "store_host": 5, "store_port": 70000, "call": True, "node": "",
-        "slots": 0, "store_timeout_s": -1, "connect_timeout_s": 0, "incarnation": "x/y",
+        "slots": 0, "store_timeout_s": -1, "connect_timeout_s": 0, "incarnation": "x/y", "log_format": 1.5,
     },
 }
 

@@ -421,7 +421,7 @@ def test_cli_writes_the_trace_and_prints_the_summary(tmp_path: pathlib.Path) -> 
     lines = out.stdout.splitlines()
     assert lines[1] == "restart 1 (iteration 0 failed): rank 1 exception RuntimeError: boom"
     # from rank 1's fault (100 ms) to rank 1's RUNNING (113 ms); RESTART_BARRIER of rank 1 lasted 113 - 105 ms
-    assert lines[2] == "  13.0 ms from the first fault (fault on rank 1) to the last rank's next RUNNING"
+    assert lines[2] == "  13.0 ms from the first fault (rank 1 exception RuntimeError) to the last rank's next RUNNING"
     # Both arrive at the barrier at 105 ms: rank 1 has the higher number, and waits 8 ms there.
     assert lines[3] == "  slowest phase: RESTART_BARRIER on rank 1 (the last at the barrier), 8.0 ms"
     trace = json.loads((tmp_path / "t.trace.json").read_text())
@@ -498,3 +498,123 @@ def test_a_real_job_s_trace_matches_its_events(tmp_path: pathlib.Path) -> None:
     first_hand = [e for e in instants(trace, "fault") if e["args"]["fault"] == "exception"]
     assert [e["pid"] for e in first_hand] == [2]  # rank 1, and only rank 1
     assert abs(first_hand[0]["ts"] * 1000 - (fault_event["t_ns"] - first)) <= 1
+
+
+# -- one rule for causes: the summary and the PNG ---------------------------------------------
+
+
+def death_after_its_consequence_job(directory: pathlib.Path) -> None:
+    """Rank 0 is SIGKILLed; rank 1's broken connection is recorded first-hand at 50 ms, rank 2's
+    error after the restart began, and rank 0's monitor records the death at 57 ms."""
+    files = [RankFile(directory, r) for r in range(3)]
+    for f in files:
+        f.start(0, world_size=3)
+        f.phase(1, "INITIAL_BARRIER", 0)
+        f.decision(2, 0, world_size=3)
+        f.iteration(2.5, 0, world_size=3)
+        f.phase(3, "RUNNING", 0)
+    closed = "[/src/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5036"
+    files[1].emit(50, "fault", iteration=0, fault="exception", type="RuntimeError", message=closed)
+    files[2].emit(52, "fault", iteration=0, fault="after_restart", type="ValueError", message="interrupted")
+    killed = {"rank": 0, "kind": "killed", "type": "SIGKILL", "message": "rank process 100 died",
+              "t_ns": MONO0 + 57_000_000, "host": "h1"}
+    decided = [{"rank": 1, "kind": "exception", "type": "RuntimeError", "message": closed},
+               {"rank": 2, "kind": "after_restart", "type": "ValueError", "message": "interrupted"}, killed]
+    for r, f in enumerate(files[1:], start=1):
+        f.restart(53, 0, detected_ms=51 + r * 0.1, aborted_ms=52 + r * 0.1)
+        f.decision(60, 1, faults=decided, terminated=[0], world_size=2)
+        f.iteration(61, 1, world_size=2)
+        f.phase(62, "RUNNING", 1)
+        f.done(90, 1)
+
+
+def test_the_timeline_and_the_summary_name_the_same_causes(tmp_path: pathlib.Path) -> None:
+    from inprocess.engine.restart_record import RestartRecord
+    from inprocess.timeline.model import drawn_as_consequence
+
+    death_after_its_consequence_job(tmp_path)
+    loaded = load(str(tmp_path))
+    timeline = build(loaded)
+    (restart,) = timeline.restarts
+    # The rule of the restart record, on the same faults:
+    record = RestartRecord(0, [_record(f) for f in restart.causes + restart.secondary], 3, [0])
+    assert [(f.rank, f.kind) for f in record.causes] == [(0, "killed")]
+    assert [(f["rank"], f["kind"]) for f in restart.causes] == [(0, "killed")]
+    # What the PNG draws as a cause (red, labelled) is what the summary names, and nothing else.
+    drawn = {(i.rank, i.args["fault"]) for i in timeline.instants
+             if i.category == "fault" and not drawn_as_consequence(i)}
+    assert drawn == {(0, "killed")}
+    roles = {(i.rank, i.args["fault"]): i.args["role"] for i in timeline.instants if i.category == "fault"}
+    assert roles == {(0, "killed"): "cause", (1, "exception"): "consequence", (2, "after_restart"): "consequence"}
+    # Measured from the cause, with the consequence seen 7 ms before its record said so.
+    assert restart.first_fault_ns == pytest.approx(57_000_000)
+    assert restart.earlier_sign_ns == pytest.approx(50_000_000)
+    text = "\n".join(summary_lines(timeline, str(tmp_path), loaded.n_events))
+    assert "restart 1 (iteration 0 failed): rank 0 killed SIGKILL: rank process 100 died\n" in text
+    assert "5.0 ms from the first fault (rank 0 killed SIGKILL) to the last rank's next RUNNING" in text
+    assert "fault on rank 1 was seen 7.0 ms before that fault was recorded" in text
+    trace = to_trace(timeline)
+    assert {(e["pid"] - 1, e["args"]["role"]) for e in instants(trace, "fault")} == {
+        (0, "cause"), (1, "consequence"), (2, "consequence")}
+
+
+def _record(fault: dict[str, Any]) -> Any:
+    from inprocess.control.protocol import FaultRecord
+
+    return FaultRecord(fault["rank"], 0, fault["kind"], fault["type"], fault["message"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the optional 'timeline' extra)")
+def test_the_png_labels_the_causes_only_and_zooms_from_the_first(tmp_path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from inprocess.timeline import plot
+
+    death_after_its_consequence_job(tmp_path)
+    timeline = build(load(str(tmp_path)))
+    fig, ax = plt.subplots()
+    row = {rank: k for k, rank in enumerate(timeline.ranks)}
+    plot._draw_zoom(ax, timeline, row, timeline.restarts[0], 1)
+    labels = [t.get_text() for t in ax.texts]
+    plt.close(fig)
+    assert labels == ["killed SIGKILL"]
+    assert "rank 0: killed SIGKILL" in ax.get_title(loc="left")
+    assert ax.get_xlabel() == "ms from its first cause"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the optional 'timeline' extra)")
+def test_the_png_says_when_restarts_are_not_zoomed(tmp_path: pathlib.Path) -> None:
+    from inprocess.timeline import plot
+
+    files = [RankFile(tmp_path, r) for r in range(2)]
+    restarts = plot.MAX_ZOOMS + 2
+    for r, f in enumerate(files):
+        f.start(0)
+        f.phase(1, "INITIAL_BARRIER", 0)
+        f.decision(2, 0)
+        for i in range(restarts):
+            base = 10 + 100 * i
+            f.iteration(base, i)
+            f.phase(base + 1, "RUNNING", i)
+            if r == 1:
+                f.emit(base + 50, "fault", iteration=i, fault="exception", type="RuntimeError", message="boom")
+            f.restart(base + 52, i, detected_ms=base + 51, aborted_ms=base + 51.5)
+            f.decision(base + 60, i + 1, faults=[FAULT])
+        f.iteration(10 + 100 * restarts, restarts)
+        f.phase(11 + 100 * restarts, "RUNNING", restarts)
+        f.done(20 + 100 * restarts, restarts)
+    texts: list[str] = []
+    original = plot.plt.Figure.text
+
+    def record_text(self: Any, x: float, y: float, s: str, *args: Any, **kwargs: Any) -> Any:
+        texts.append(s)
+        return original(self, x, y, s, *args, **kwargs)
+
+    plot.plt.Figure.text = record_text  # type: ignore[method-assign]
+    try:
+        plot.draw(build(load(str(tmp_path))), str(tmp_path / "t.png"))
+    finally:
+        plot.plt.Figure.text = original  # type: ignore[method-assign]
+    assert any(f"restarts 1 to {plot.MAX_ZOOMS} only, of {restarts}" in t for t in texts), texts

@@ -37,6 +37,7 @@ from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
 from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
+from .engine.storm import StormBrake, StormLimits, Verdict
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
 from .exception import (
@@ -95,6 +96,7 @@ class CallWrapper:
         self._rt: Optional[RankRuntime] = None  # set while the call runs
         self._membership: Optional[Membership] = None
         self._assignment = AssignmentRunner(wrapper.rank_assignment)
+        self._storm = StormBrake(StormLimits.from_environment())  # INPROCESS_RESTART_STORM: a bad value fails here
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -171,6 +173,7 @@ class CallWrapper:
             finally:
                 self._rt.close()
         finally:
+            faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
             self._exit()
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -205,6 +208,7 @@ class CallWrapper:
         if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
+        self._storm.started(decision.host, decision.t_ns)
         self._emit_decision(decision)
         self._apply(decision)
 
@@ -280,7 +284,9 @@ class CallWrapper:
         self._emit("fault", record.t_ns, iteration=s.iteration, fault=kind, type=record.type, message=record.message)
         if first_hand:
             s.fn_exception = e
-        log.info("rank %d: %s in iteration %d: %s: %s", s.initial_rank, kind, s.iteration, type(e).__name__, e)
+        what = "exception" if first_hand else "exception while restarting"
+        log.log(logging.DEBUG if self._storm.in_storm else logging.INFO, "rank %d: %s in iteration %d: %s: %s",
+                s.initial_rank, what, s.iteration, type(e).__name__, e)
         drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
@@ -346,18 +352,21 @@ class CallWrapper:
             record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
                                                                        strict=True))
                                 if was == Mode.INACTIVE and now == Mode.ACTIVE]
+        verdict = self._storm.observe(record, decision.host, decision.t_ns)
         self.restarts.append(record)
         self._emit_decision(decision)
         self._apply(decision)
-        self._log_restart(record)
+        self._log_restart(record, verdict)
+        self._storm.wait(verdict)  # a restart storm: every rank waits the same (engine/storm.py)
 
-    def _log_restart(self, record: RestartRecord) -> None:
-        """One INFO line on every rank; the summary, as a WARNING, on the lowest active rank."""
+    def _log_restart(self, record: RestartRecord, verdict: Verdict) -> None:
+        """One INFO line on every rank; the summary, as a WARNING, on the lowest active rank
+        (in a restart storm, a warning once and reminders: engine/storm.py)."""
         s = self.state
-        log.info("rank %d: restarted after iteration %d in %.0f ms (%s)", s.initial_rank, record.iteration,
-                 record.duration_s * 1e3, ", ".join(f"{k} {v:.0f} ms" for k, v in record.phases_ms().items()))
+        summary = None
         if s.active_rank == 0 and s.active_world_size is not None:
-            log.warning("%s", record.summary(s.active_world_size, s.world_size))
+            summary = record.summary(s.active_world_size, s.world_size)
+        self._storm.log_restart(verdict, record, s.initial_rank, summary)
 
     def _emit_iteration_start(self) -> None:
         s = self.state

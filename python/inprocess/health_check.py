@@ -73,6 +73,7 @@ class FaultCounter(HealthCheck):
 # devices this process sees (inprocess.gpu.device).
 
 _ON_UNAVAILABLE = ("skip", "fail")
+_said_unavailable: set[str] = set()  # "unavailable" messages already logged at INFO in this process
 
 
 def _check_on_unavailable(value: str) -> str:
@@ -103,7 +104,11 @@ class _GpuCheck(HealthCheck):
         message = f"{type(self).__name__} unavailable: {reason}"
         if self.on_unavailable == "fail":
             raise GpuUnavailable(message)
-        log.info("%s; skipped", message)
+        # Once per process at INFO (the same reason holds for every later check), then at DEBUG.
+        first = message not in _said_unavailable
+        _said_unavailable.add(message)
+        log.log(logging.INFO if first else logging.DEBUG, "%s; skipped%s", message,
+                " (said once: later checks skip at DEBUG level)" if first else "")
         return state
 
     def _cuda_device(self, driver: _native.CudaDriver) -> Tuple[Optional[int], str]:

@@ -31,7 +31,7 @@ from .control.incarnation import job_incarnation
 from .control.tcpstore_client import StoreError, StoreHandshakeClosedError, TCPStoreClient
 from .engine import sockets
 from .processes import store_host
-from .processes.contract import HelperProcess, StoreHostConfig
+from .processes.contract import HelperProcess, StoreHostConfig, rank_log_format
 from .processes.forked import fork_helper
 
 # How long a rank gives what listens at MASTER_ADDR:MASTER_PORT to answer a store's handshake.
@@ -124,7 +124,8 @@ class TCPStore(dist.TCPStore, StoreMixin):
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
-                                     parent_pid=os.getpid(), libuv=bool(use_libuv), incarnation=job_incarnation())
+                                     parent_pid=os.getpid(), libuv=bool(use_libuv), incarnation=job_incarnation(),
+                                     log_format=rank_log_format())
             # Forked, not exec'd: the rank has imported torch already, a fresh interpreter
             # would import it again before the first barrier (processes/forked.py).
             self.host_process = fork_helper(config, store_host.serve, ready_timeout_s=timeout.total_seconds(),

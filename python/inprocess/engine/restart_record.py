@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Optional
 
 from ..control.protocol import FaultRecord
 
@@ -97,10 +98,14 @@ class RestartRecord:
     initialized_ns: int = 0  # initialize returned in the next iteration (0 on a spare)
     assignment_ns: int = 0  # duration of the rank assignment on the leader
     activated: list[int] = dataclasses.field(default_factory=list)  # spares (initial ranks) made active
+    repeats: int = 1  # restarts in a row with the same cause, this one included (engine/storm.py)
+    repeated_on_rank: Optional[int] = None  # the one rank that cause was on every time, if one
+    backoff_s: float = 0.0  # the wait before the next iteration: a restart storm (engine/storm.py)
 
     @property
     def duration_s(self) -> float:
-        """Fault (or detection, for faults on other hosts) to resumption, in seconds."""
+        """Fault (or detection, for faults on other hosts) to resumption, in seconds (a restart storm's
+        back-off, ``backoff_s``, included once the next iteration has started)."""
         start = self.fault_ns or self.detected_ns
         end = self.initialized_ns or self.decided_ns
         return max(0, end - start) / 1e9
@@ -120,6 +125,17 @@ class RestartRecord:
                  ("barrier", self.health_checked_ns, self.decided_ns)]
         return {name: max(0, end - start) / 1e6 for name, start, end in marks if start and end}
 
+    def repeat_note(self) -> str:
+        """How many times in a row this restart's cause came: from the second time when it was on one and
+        the same rank every time, else from the third ("" before)."""
+        rank = self.repeated_on_rank
+        if self.repeats < (2 if rank is not None else 3):
+            return ""
+        if rank is not None and self.causes and all(f.kind == "soft_timeout" for f in self.causes):
+            return f"the same rank ({rank}) timed out {self.repeats} times in a row"
+        where = f" (on rank {rank} each time)" if rank is not None else ""
+        return f"the same cause {self.repeats} times in a row{where}"
+
     def summary(self, active_world_size: int, world_size: int) -> str:
         """One line: the causes first, then consequences, who left, spares activated, time, slowest phase."""
         causes = "; ".join(f"rank {f.rank} {_cause_kind(f)}: {f.type}: {f.message}" for f in self.causes)
@@ -129,6 +145,8 @@ class RestartRecord:
             text += "; consequences (not causes): " + "; ".join(f"rank {f.rank} {f.type}" for f in self.consequences)
         if self.n_faults > len(self.faults):
             text += f" (+{self.n_faults - len(self.faults)} more fault records)"
+        if self.repeat_note():
+            text += f"; {self.repeat_note()}"
         text += f"; excluded: {self.terminated or 'none'}"
         if self.activated:
             text += f"; spares activated: {self.activated}"
@@ -136,5 +154,5 @@ class RestartRecord:
         phases = self.phases_ms()
         if phases:
             slowest = max(phases, key=lambda name: phases[name])
-            text += f" (slowest phase: {slowest}, {phases[slowest]:.0f} ms)"
+            text += f" (slowest phase: {slowest.replace('_', ' ')}, {phases[slowest]:.0f} ms)"
         return text

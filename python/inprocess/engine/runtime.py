@@ -39,7 +39,7 @@ from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
 from ..events import EventLog
 from ..processes import store_host
-from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig
+from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig, rank_log_format
 from ..state import State
 from . import pg_tracker, sockets
 from .hang_guard import HangGuard
@@ -250,8 +250,9 @@ class RankRuntime:
             heartbeat_timeout_s=_seconds(t.heartbeat_timeout),
             logfile=self._w.monitor_process_logfile,
             pidfile=self._w.monitor_process_pidfile,
-            # Without a log file the monitor shares the rank's stderr: warnings only.
+            # Without a log file the monitor shares the rank's stderr: warnings only, in the rank's format.
             log_level="INFO" if self._w.monitor_process_logfile else "WARNING",
+            log_format=rank_log_format(),
         ))
 
     # -- per iteration --------------------------------------------------------

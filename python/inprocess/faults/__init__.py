@@ -22,6 +22,10 @@ Two ways in:
   ``phase=NAME`` faults (a fault during the entry, or a restart's abort,
   finalize, health check, barrier, reassignment or a takeover of the lead).
 
+At the end of a wrapped call, ``report_unfired`` (called by the wrapper) warns
+about each entry due on the rank that never fired, and why
+(:mod:`inprocess.faults.unfired`).
+
 GPU faults (``gpu_error``, ``gpu_sleep``) need a CUDA device and raise
 :class:`FaultUnavailable` on a rank they are due on without one.
 """
@@ -35,6 +39,7 @@ from .arming import (
     arm_from_environment,
     maybe_inject,
     plan_from_environment,
+    report_unfired,
 )
 from .phases import enter_phase
 from .plan import PHASES, FaultPlan, FaultSpec, Kind, Ranks, ScheduledFault
@@ -57,4 +62,5 @@ __all__ = [
     "maybe_inject",
     "perform",
     "plan_from_environment",
+    "report_unfired",
 ]

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..state import FrozenState, Mode
-from . import actions
+from . import actions, unfired
 from .plan import GPU_KINDS, MAIN_THREAD_KINDS, FaultPlan, Kind, ScheduledFault
 
 if TYPE_CHECKING:
@@ -149,6 +149,8 @@ class ArmedFaults:
         self._timer: Optional[threading.Thread] = None
         self._uses_delivery = False
         self._armed_at = time.monotonic()
+        self._active = active
+        self._ended = False
         scheduled = [] if plan is None else plan.schedule(rank, world_size, iteration)
         if not active:
             skipped = [f for f in scheduled if f.spec.kind in MAIN_THREAD_KINDS]
@@ -185,6 +187,7 @@ class ArmedFaults:
 
     def maybe_inject(self, step: int) -> None:
         """Fire, in this thread, the faults due at ``step`` (each once)."""
+        unfired.step_reported(self.iteration, step)
         for f in self._at_step.get(step, ()):
             self._fire(f)
 
@@ -202,6 +205,10 @@ class ArmedFaults:
             _delivery.release()
         if _current is self:
             _current = None
+        if not self._ended and self.plan is not None and not self._persistent:
+            self._ended = True
+            step_faults = [f for fs in self._at_step.values() for f in fs]
+            unfired.iteration_ended(self.iteration, time.monotonic() - self._armed_at, self._active, step_faults)
 
     def __enter__(self) -> "ArmedFaults":
         return self
@@ -255,6 +262,7 @@ def fire(
     token = object()
     if _fired.setdefault((plan_key, f.index, f.iteration), token) is not token:
         return
+    unfired.fired.add((plan_key, f.index))
     if f.step is not None:
         when = f"step {f.step}"
     elif f.delay_s is not None:
@@ -358,8 +366,19 @@ def maybe_inject(step: object, call_wrapper: Optional["CallWrapper"] = None) -> 
                 due.setdefault(f.step, []).append(f)
         _unarmed_steps.clear()
         _unarmed_steps[key] = due
+    unfired.step_reported(where[2], step)
     for f in due.get(step, ()):
         fire(f, str(plan), where[0])
+
+
+def report_unfired(rank: int, world_size: int, last_iteration: int) -> list[str]:
+    """At the end of a wrapped call on initial ``rank``: a WARNING for each entry of ``INPROCESS_FAULTS``
+    due on it that never fired, with the reason (:mod:`inprocess.faults.unfired`); the messages."""
+    try:
+        return unfired.report_unfired(plan_from_environment(), rank, world_size, last_iteration)
+    except Exception as e:  # never in the way of the call's own outcome
+        log.warning("inprocess.faults: could not tell which faults fired: %s: %s", type(e).__name__, e)
+        return []
 
 
 def _whereabouts(call_wrapper: Optional["CallWrapper"]) -> tuple[int, int, int, bool]:

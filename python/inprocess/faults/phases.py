@@ -13,6 +13,7 @@ import logging
 import os
 
 from ..state import Mode
+from . import unfired
 from .arming import ENV_VAR, fire, plan_from_environment
 from .plan import MAIN_THREAD_KINDS, PHASES, FaultPlan, ScheduledFault
 
@@ -50,6 +51,7 @@ def enter_phase(phase: str, initial_rank: int, initial_world_size: int, iteratio
     plan = plan_from_environment()
     if plan is None:
         return
+    unfired.phase_entered(name, iteration)
     spare = mode == Mode.INACTIVE
     key = (plan, initial_rank, initial_world_size, iteration, spare)
     due = _due.get(key)

@@ -195,6 +195,8 @@ class HelperConfig:
 
     log_level: str = option("log level", one_of(*LOG_LEVELS), default="WARNING")
     logfile: Optional[str] = option("append the log to this file (default: stderr)", default=None)
+    log_format: Optional[str] = option("the format (logging, %%-style) of the lines on stderr: the rank passes its own "
+                                       "(default, or with --logfile: time, process, pid and level)", default=None)
 
     def __post_init__(self) -> None:
         for f in _fields_of(type(self)):
@@ -401,13 +403,33 @@ def _set_up_logging(config: HelperConfig) -> None:
     naming the process, its label and its pid."""
     handler: logging.Handler
     handler = logging.FileHandler(config.logfile) if config.logfile else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s {config.module}[{config.log_label()}pid %(process)d] %(levelname)s %(message)s"
-    ))
+    if config.log_format and not config.logfile:
+        # On the rank's stderr, the lines look like the rank's own (rank_log_format).
+        handler.setFormatter(logging.Formatter(config.log_format))
+    else:
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s {config.module}[{config.log_label()}pid %(process)d] %(levelname)s %(message)s"
+        ))
     package = logging.getLogger("inprocess")
     package.addHandler(handler)
     package.setLevel(config.log_level)
     package.propagate = False
+
+
+def rank_log_format() -> str:
+    """The format in which this process shows the ``inprocess`` logger's records, for a helper that
+    writes to the same stderr: the first handler's on the way up from that logger, else what Python
+    shows without any handler (the message alone). A format of another style than %% gives the
+    message alone too."""
+    logger: Optional[logging.Logger] = logging.getLogger("inprocess")
+    while logger is not None:
+        for handler in logger.handlers:
+            formatter = handler.formatter
+            if formatter is None or type(formatter._style) is not logging.PercentStyle:
+                return "%(message)s"
+            return formatter._style._fmt or "%(message)s"
+        logger = logger.parent if logger.propagate else None
+    return "%(message)s"
 
 
 def _route_stop_signals(config: HelperConfig, stop: StopRequest) -> None:

@@ -39,9 +39,11 @@ rank decides what to do with it; the monitor follows the rank.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -96,6 +98,38 @@ def _zombie_status(pid: int, start_time: Optional[int]) -> Optional[int]:
     if start_time is None or int(fields[19]) != start_time:
         return None
     return int(fields[49])
+
+
+# PIDFD_GET_INFO (linux/pidfd.h): _IOWR(PIDFS_IOCTL_MAGIC 0xFF, 11, struct pidfd_info), its first
+# 64 bytes (PIDFD_INFO_SIZE_VER0); PIDFD_INFO_EXIT asks for the wait status, which Linux >= 6.15 keeps
+# for any holder of a pidfd once the process was reaped. exit_code sits at offset 60.
+_PIDFD_INFO_SIZE = 64
+_PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+_PIDFD_INFO_EXIT = 1 << 3
+_PIDFD_INFO_EXIT_CODE_OFFSET = 60
+
+
+def _reaped_status(pidfd: int) -> Optional[int]:
+    """The wait status of a reaped process, read through its pidfd; None where the kernel keeps none
+    (before Linux 6.15, or not reaped yet)."""
+    if pidfd < 0:
+        return None
+    buf = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("=Q", buf, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, buf)
+    except OSError:
+        return None
+    if not struct.unpack_from("=Q", buf, 0)[0] & _PIDFD_INFO_EXIT:
+        return None
+    return int(struct.unpack_from("=i", buf, _PIDFD_INFO_EXIT_CODE_OFFSET)[0])
+
+
+def _exit_status(pid: int, start_time: Optional[int], pidfd: int) -> Optional[int]:
+    """The rank's wait status: from /proc while it is a zombie, else (its parent, the launcher, reaped
+    it first: a launcher that waits on its children does so within microseconds) from its pidfd."""
+    status = _zombie_status(pid, start_time)
+    return status if status is not None else _reaped_status(pidfd)
 
 
 def _describe_status(status: Optional[int]) -> tuple[str, str]:
@@ -400,8 +434,11 @@ class Monitor:
             return EXIT_INTERNAL
         phase, iteration = snap.phase, snap.iteration
         if cause is None:
-            kind, type_ = _describe_status(_zombie_status(self.pid, self._start_time))
+            status = _exit_status(self.pid, self._start_time, self.pidfd)
+            kind, type_ = _describe_status(status)
             message = f"rank process {self.pid} died"
+            if status is None:
+                message += " (exit status unknown: its parent reaped it before its monitor could read it)"
         else:
             kind, type_, message = cause
         message = f"{message} in iteration {iteration}, phase {phase.name}"

@@ -65,7 +65,15 @@ class Step:
 
 @dataclasses.dataclass
 class Restart:
-    """One restart of one run: iteration ``iteration`` failed."""
+    """One restart of one run: iteration ``iteration`` failed.
+
+    Which faults are causes is decided by one rule, the restart record's
+    (:func:`inprocess.engine.restart_record.is_consequence`), for the summary,
+    the trace's fault instants (their ``role``) and the PNG alike. Times are
+    measured from the first cause as recorded (``first_fault_ns``); a death is
+    recorded by its monitor once it saw it, so a consequence of it (a peer's
+    broken connection) can be seen earlier: ``earlier_sign_ns`` says when.
+    """
 
     call: int
     attempt: int  # the run's ordinal: > 0 when the processes were started again
@@ -73,11 +81,13 @@ class Restart:
     causes: list[dict[str, Any]]  # faults that were not consequences: rank, kind, type, message
     secondary: list[dict[str, Any]]  # consequences (engine/restart_record.py: the rule)
     terminated: list[int]  # initial ranks excluded by the restart
-    first_fault_ns: Optional[int]  # the earliest fault or restart detection seen
+    first_fault_ns: Optional[int]  # the first cause's time; without one, the earliest fault or detection seen
     first_fault_what: str
     resumed_ns: Optional[int]  # the last rank's first RUNNING (or SPARE) of iteration + 1
     slowest: Optional[Step]  # the longest step of the last rank at the restart barrier
     run: int = 0
+    earlier_sign_ns: Optional[int] = None  # a consequence or detection seen before the first cause's record
+    earlier_sign_what: str = ""
 
     @property
     def recovery_ns(self) -> Optional[int]:
@@ -159,11 +169,14 @@ def build(loaded: Loaded) -> Timeline:
         run_slices, run_instants = _run_timeline(run, clocks)
         run_slices = [dataclasses.replace(s, run=k) for s in run_slices]
         run_instants = [dataclasses.replace(i, run=k) for i in run_instants]
+        run_restarts = _restarts(run, clocks, run_slices, run_instants)
+        for restart in run_restarts:
+            restart.run = k
+        run_instants = [_with_role(i, run_restarts) for i in run_instants]
+        _date_by_causes(run_restarts, run_instants)
         slices.extend(run_slices)
         instants.extend(run_instants)
-        for restart in _restarts(run, clocks, run_slices, run_instants):
-            restart.run = k
-            restarts.append(restart)
+        restarts.extend(run_restarts)
         for rank, s in run.segments.items():
             info = ranks.setdefault(rank, RankInfo(rank, [], []))
             if s.host is not None and s.host not in info.hosts:
@@ -379,6 +392,50 @@ def _restarts(run: Run, clocks: _Clocks, slices: list[Slice], instants: list[Ins
         out.append(Restart(run.call, run.ordinal, i, causes, secondary, terminated, first, what,
                            max(resumed) if resumed else None, _slowest_step(i, slices)))
     return out
+
+
+def fault_kind(fault: dict[str, Any]) -> Any:
+    """The kind of a fault: an event names it "fault" (its "kind" is the event's), a decision's record "kind"."""
+    return fault["fault"] if "fault" in fault else fault.get("kind")
+
+
+def is_cause(restart: Restart, rank: Any, kind: Any) -> bool:
+    """A fault of ``rank`` of this ``kind`` in the restart's iteration is one of its causes (the one rule)."""
+    return any(f.get("rank") == rank and fault_kind(f) == kind for f in restart.causes)
+
+
+def drawn_as_consequence(instant: Instant) -> bool:
+    """A fault instant that is a consequence, not a cause: its restart's rule says so (``role``), or,
+    outside any restart (no decision came), it was raised once a restart was under way. The PNG
+    draws by it; the summary lists the same restart's ``causes``."""
+    role = instant.args.get("role")
+    return role == "consequence" if role is not None else instant.args.get("fault") == SECONDARY
+
+
+def _with_role(instant: Instant, restarts: list[Restart]) -> Instant:
+    """A fault instant marked as its restart's cause or consequence (``args["role"]``)."""
+    if instant.category != "fault":
+        return instant
+    restart = next((r for r in restarts if r.iteration == instant.iteration), None)
+    if restart is None:
+        return instant
+    role = "cause" if is_cause(restart, instant.rank, instant.args.get("fault")) else "consequence"
+    return dataclasses.replace(instant, args={**instant.args, "role": role})
+
+
+def _date_by_causes(restarts: list[Restart], instants: list[Instant]) -> None:
+    """Each restart measured from its first cause, and the sign seen before it, if any."""
+    for r in restarts:
+        # A cause whose time was not recorded (drawn where its rank's events end) dates nothing.
+        dated = [i for i in instants if i.category == "fault" and i.iteration == r.iteration
+                 and i.args.get("role") == "cause" and "time" not in i.args]
+        if not dated or r.first_fault_ns is None:
+            continue
+        cause = min(dated, key=lambda i: (i.t_ns, i.rank))
+        first = cause.t_ns
+        if r.first_fault_ns < first:
+            r.earlier_sign_ns, r.earlier_sign_what = r.first_fault_ns, r.first_fault_what
+        r.first_fault_ns, r.first_fault_what = first, f"rank {cause.rank} {fault_label(cause.args)}"
 
 
 def _as_record(fault: dict[str, Any], iteration: int) -> FaultRecord:

@@ -1,10 +1,12 @@
 """The PNG of a timeline (needs matplotlib: ``pip install "inprocess[timeline]"``).
 
 Top: the whole job, one row per rank, a bar per phase, a cross where a rank
-failed, a dotted line per restart. Below: each restart (the first
-:data:`MAX_ZOOMS`) zoomed in, time in ms from its first fault, the failing
-ranks labelled with the fault's kind and type, and under each rank's bar a
-thin one for the abort on its trigger thread.
+failed (red: a cause; grey, small: a consequence, by the rule of the restart
+record that the text summary follows too), a dotted line per restart. Below:
+each restart (the first :data:`MAX_ZOOMS`; a note says when there are more)
+zoomed in, time in ms from its first cause, the causes labelled with their
+kind and type, and under each rank's bar a thin one for the abort on its
+trigger thread.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from inprocess.timeline.model import MAIN, SECONDARY, SPARE, TRIGGER, Restart, Timeline  # noqa: E402
+from inprocess.timeline.model import MAIN, SPARE, TRIGGER, Restart, Timeline, drawn_as_consequence  # noqa: E402
 
 MAX_ZOOMS = 4
 
@@ -48,7 +50,8 @@ def draw(timeline: Timeline, path: str, title: str = "") -> None:
     """Writes the PNG of ``timeline`` to ``path``."""
     ranks = list(timeline.ranks)
     row = {rank: k for k, rank in enumerate(ranks)}
-    zooms = [r for r in timeline.restarts if r.first_fault_ns is not None][:MAX_ZOOMS]
+    zoomable = [r for r in timeline.restarts if r.first_fault_ns is not None]
+    zooms = zoomable[:MAX_ZOOMS]
     panel_height = 0.8 + 0.32 * len(ranks)
     fig = plt.figure(figsize=(12, min(2.0 + panel_height * (2 if zooms else 1), 30)), dpi=100)
     grid = fig.add_gridspec(2 if zooms else 1, max(1, len(zooms)), hspace=0.55, wspace=0.08)
@@ -69,6 +72,10 @@ def draw(timeline: Timeline, path: str, title: str = "") -> None:
         _draw_zoom(ax, timeline, row, r, timeline.restarts.index(r) + 1)
         if k:
             ax.tick_params(labelleft=False)
+    if len(zoomable) > len(zooms):
+        fig.text(0.01, 0.005, f"Zoomed below: restarts 1 to {len(zooms)} only, of {len(timeline.restarts)}; the "
+                 "text summary (python -m inprocess.timeline DIR) lists every one, and the trace shows each.",
+                 fontsize=8, color="#444444", ha="left", va="bottom")
     _legend(fig, timeline)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -89,7 +96,7 @@ def _draw_rows(ax: Axes, timeline: Timeline, row: dict[int, int], origin: int, z
     for i in timeline.instants:
         if i.category != "fault":
             continue
-        secondary = i.args.get("fault") == SECONDARY
+        secondary = drawn_as_consequence(i)
         ax.plot((i.t_ns - origin) / 1e6, row[i.rank], marker="x", markersize=5 if secondary else 9,
                 markeredgewidth=1.2 if secondary else 2.5, color=SECONDARY_COLOUR if secondary else FAULT_COLOUR,
                 zorder=5)
@@ -106,13 +113,12 @@ def _draw_zoom(ax: Axes, timeline: Timeline, row: dict[int, int], r: Restart, nu
     ends = [s.end_ns for s in mine if s.track == MAIN and s.name not in ("RUNNING", SPARE)]
     end = r.resumed_ns if r.resumed_ns is not None else max(ends, default=origin + 10_000_000)
     detected = [s.start_ns for s in mine if s.track == TRIGGER]
-    start = min([origin, *detected])
+    start = min([origin, *detected, *([r.earlier_sign_ns] if r.earlier_sign_ns is not None else [])])
     pad = max((end - start) * 0.12, 300_000)
     ax.set_xlim((start - origin - pad) / 1e6, (end - origin + pad) / 1e6)
     middle = (start + end) / 2
     for i in timeline.instants:
-        if i.run == r.run and i.category == "fault" and i.iteration == r.iteration \
-                and i.args.get("fault") != SECONDARY:
+        if i.run == r.run and i.category == "fault" and i.iteration == r.iteration and not drawn_as_consequence(i):
             label = " ".join(str(x) for x in (i.args.get("fault"), i.args.get("type")) if x)
             left = i.t_ns > middle  # labels of late faults go to the left, inside the panel
             ax.annotate(label, ((i.t_ns - origin) / 1e6, row[i.rank]), xytext=(-6 if left else 6, -9),
@@ -125,9 +131,11 @@ def _draw_zoom(ax: Axes, timeline: Timeline, row: dict[int, int], r: Restart, nu
         first = r.causes[0]
         cause = f"rank {first.get('rank')}: {first.get('kind')} {first.get('type')}"
         cause += f" (+{len(r.causes) - 1} more)" if len(r.causes) > 1 else ""
-    ax.set_title(f"restart {number}, iteration {r.iteration}\n{cause}\nall RUNNING again after {recovery}",
-                 fontsize=9, loc="left")
-    ax.set_xlabel("ms from its first fault")
+    title = f"restart {number}, iteration {r.iteration}\n{cause}\nall RUNNING again after {recovery}"
+    if r.earlier_sign_ns is not None:
+        title += f"\n({r.earlier_sign_what} seen {_ms(r.first_fault_ns - r.earlier_sign_ns)} before it)"
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_xlabel("ms from its first cause")
 
 
 def _ms(ns: Optional[int]) -> str:
@@ -144,9 +152,9 @@ def _legend(fig: plt.Figure, timeline: Timeline) -> None:
     if any(s.args.get("end") == "inferred" for s in timeline.slices):
         handles.append(Patch(facecolor="#dddddd", hatch="////", edgecolor="white", label="events stopped (killed)"))
     handles.append(Line2D([], [], marker="x", color=FAULT_COLOUR, linestyle="none", markeredgewidth=2.5,
-                          label="fault"))
-    if any(i.args.get("fault") == SECONDARY for i in timeline.instants):
+                          label="fault: a cause"))
+    if any(i.category == "fault" and drawn_as_consequence(i) for i in timeline.instants):
         handles.append(Line2D([], [], marker="x", color=SECONDARY_COLOUR, linestyle="none",
-                              label="secondary error"))
+                              label="consequence (not a cause)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, -0.06))

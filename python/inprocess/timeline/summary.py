@@ -41,6 +41,10 @@ def restart_lines(number: int, r: Restart) -> list[str]:
     else:
         recovery = f"{_ms(r.recovery_ns)} from the first fault ({r.first_fault_what}) to the last rank's next RUNNING"
     lines.append(f"  {recovery}")
+    if r.earlier_sign_ns is not None and r.first_fault_ns is not None:
+        lines.append(f"  {r.earlier_sign_what} was seen {_ms(r.first_fault_ns - r.earlier_sign_ns)} before that fault "
+                     "was recorded (a death is recorded by its monitor once it saw it: its consequences can come "
+                     "first)")
     if r.slowest is not None:
         lines.append(f"  slowest phase: {r.slowest.name} on rank {r.slowest.rank} (the last at the barrier), "
                      f"{_ms(r.slowest.dur_ns)}")
