@@ -33,6 +33,10 @@ VARIANTS = {
     "nccl_no_revoke": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_NO_REVOKE"]),
     "nccl_no_abort": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_OMIT_ABORT"]),
     "nvml": ("fake_nvml.c", "libnvidia-ml.so.1", []),
+    # A driver that keeps primary contexts and each thread's current one (the NCCL abort's device).
+    "cuda_contexts": ("fake_cuda_contexts.c", "libcuda.so.1", []),
+    # torch built with NCCL linked in statically: the NCCL functions are in libtorch_cuda.so itself.
+    "torch_cuda_static_nccl": ("fake_nccl.c", "libtorch_cuda.so", ["-DFAKE_NCCL_DEFAULT_VERSION=22903"]),
 }
 
 
