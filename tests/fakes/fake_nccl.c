@@ -155,6 +155,8 @@ static void cudart_set_device(int device) {
 /* For the fake torch backend (tests/fakes/fake_torch_nccl.py): what
  * c10::cuda::current_device() answers on the calling thread. */
 int fake_cudart_get_device(void) { return cudart_get_device(); }
+/* And what c10::cuda::set_device (cudaSetDevice) does on it. */
+void fake_cudart_set_device(int device) { cudart_set_device(device); }
 
 /* ---- the test's side ---- */
 

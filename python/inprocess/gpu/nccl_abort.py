@@ -19,7 +19,9 @@ in tests/fakes/fake_torch_nccl.py and tests/test_nccl_release.py):
    group (its watchdog aborts and frees the communicators after one, under
    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1 or 2) and ``_is_initialized()``, which
    releases the GIL and takes the same mutex, returned within a short bound.
-   A group that fails either check is released by torch's own abort alone.
+   A group that fails either check is released by torch's own abort alone,
+   and then so are the others: a revoke of theirs would wait for its kernels
+   on a stream they share.
 3. **Revoke, every communicator as one NCCL group** (2.28.7 and later): the
    revokes set every abort flag before any of them waits for its streams, so a
    kernel stuck on one group cannot hold another's revoke; blocking and
@@ -191,6 +193,11 @@ def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> Ncc
                 report.skipped.append(f"{backend}: {why}")
             else:
                 comms.append(found)
+    if report.skipped and comms:
+        # A group left out keeps its kernels running until torch aborts it: a
+        # revoke of the others waits for those on a shared stream. All or none.
+        log.debug("NCCL release: no revoke, %d of %d groups left to torch", len(report.skipped), len(backends))
+        comms = []
     report.pointers = len(comms)
     if comms and library is not None:
         pointers = [c.pointer for c in comms]
