@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any, Dict
 
 import pytest
@@ -287,3 +289,62 @@ def test_torchs_own_nccl_is_found_before_another_libnccl(fakes: Fakes) -> None:
     """, INPROCESS_LIBNCCL="")
     assert out["path"].endswith("libtorch_cuda.so") and out["version"] == 22903
     assert out["same"] and not out["other"] and "is not torch's (2.28.7)" in out["why_other"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_abort_was_abandoned_exits_without_touching_torchs_groups(fakes: Fakes) -> None:
+    """Item 10: a 1-rank wrapped job whose NCCL abort times out. The abandoned
+    abort holds the group's mutex (abortComms holds mutex_ for its aborts);
+    destroying the group takes it too (ProcessGroupNCCL::shutdown, under
+    mutex_, cyyever/pytorch@0b10febc). The rank must leave (exit 75, counted
+    out) without destroying torch's groups, instead of waiting on that mutex
+    until the monitor's hard timeout (20 s here)."""
+    from inprocess.launch import free_port
+
+    body = """
+        import datetime
+        import torch.distributed as dist
+        import inprocess
+        from inprocess.abort import Abort
+
+        pg = FakeProcessGroupNCCL(fakes, device=3, timeout_s=600)
+        pg.hold_mutex()  # the communicator's abort will hang inside torch
+        destroyed = []
+        original_destroy = dist.destroy_process_group
+
+        def destroy(group=None):
+            destroyed.append(time.monotonic())
+            print("destroying torch's groups", flush=True)
+            pg._abort_comms()  # shutdown(): the group's mutex, held by the abandoned abort
+            original_destroy(group)
+
+        dist.destroy_process_group = destroy
+
+        class ReleaseNccl(Abort):
+            def __call__(self, state):
+                nccl_abort.release([pg], 1.0)
+                return state
+
+        @inprocess.Wrapper(
+            abort=ReleaseNccl(),
+            soft_timeout=datetime.timedelta(seconds=10),
+            hard_timeout=datetime.timedelta(seconds=20),
+            barrier_timeout=datetime.timedelta(seconds=40),
+        )
+        def train(call_wrapper: inprocess.CallWrapper = None):
+            dist.init_process_group("gloo", store=call_wrapper.store, rank=0, world_size=1)
+            print(f"fault at {time.time()!r}", flush=True)
+            raise ValueError("a fault: the restart aborts NCCL")
+
+        print(json.dumps({"returned": repr(train())}))
+    """
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with pytest.raises(AssertionError) as failed:  # rc != 0: the rank left the process
+        run_case(fakes, body, timeout=60, **env)  # without the fix: still waiting at 60 s
+    exited = time.time()
+    message = str(failed.value)
+    assert message.startswith("rc=75"), message
+    assert "exits (code 75) without touching torch's process groups" in message
+    assert "destroying torch's groups" not in message
+    fault = float(re.search(r"fault at ([0-9.]+)", message).group(1))  # type: ignore[union-attr]
+    assert exited - fault < 10, message  # the abort's 1 s deadline, then the way out
