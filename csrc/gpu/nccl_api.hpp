@@ -52,6 +52,7 @@ using CUcontext = struct CUctx_st*;
   X(cuDeviceGet, CUresult (*)(CUdevice*, int))                           \
   X(cuDevicePrimaryCtxGetState, CUresult (*)(CUdevice, unsigned int*, int*)) \
   X(cuDevicePrimaryCtxRetain, CUresult (*)(CUcontext*, CUdevice))        \
+  X(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))                \
   X(cuCtxSetCurrent, CUresult (*)(CUcontext))                            \
   X(cuCtxGetCurrent, CUresult (*)(CUcontext*))
 

@@ -86,7 +86,10 @@ std::string CurrentDevice::bind(int device) const {
     return "cuDevicePrimaryCtxRetain returned " + std::to_string(r);
   }
   CUcontext current = nullptr;
-  if (api_->cuCtxGetCurrent(&current) == 0 && current == context) return "";
+  if (api_->cuCtxGetCurrent(&current) == 0 && current == context) {
+    api_->cuDevicePrimaryCtxRelease_v2(handle);  // current already: one retain per thread is enough
+    return "";
+  }
   // The retain is kept for the thread's lifetime: the context stays current on it.
   if ((r = api_->cuCtxSetCurrent(context)) != 0) return "cuCtxSetCurrent returned " + std::to_string(r);
   return "";

@@ -21,7 +21,8 @@ in tests/fakes/fake_torch_nccl.py and tests/test_nccl_release.py):
    releases the GIL and takes the same mutex, returned within a short bound.
    A group that fails either check is released by torch's own abort alone,
    and then so are the others: a revoke of theirs would wait for its kernels
-   on a stream they share.
+   on a stream they share (a group with no communicator ready, or one torch
+   aborted already, runs no kernel: the others are revoked).
 3. **Revoke, every communicator as one NCCL group** (2.28.7 and later): the
    revokes set every abort flag before any of them waits for its streams, so a
    kernel stuck on one group cannot hold another's revoke; blocking and
@@ -57,7 +58,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 from .. import _native
 from . import device as device_mod
@@ -128,33 +129,42 @@ def is_blocking(backend: Any) -> bool:
         return True
 
 
-def communicator(backend: Any, timeout: float) -> Tuple[Optional[Communicator], str]:
+@dataclass(frozen=True)
+class Skipped:
+    why: str
+    # The group may still run kernels that only torch's abort will stop (a revoke
+    # of the other groups would wait for them on a shared stream).
+    may_run: bool
+
+
+def communicator(backend: Any, timeout: float) -> Communicator | Skipped:
     """The collective communicator of `backend`, where reading it cannot hang
-    and torch's watchdog has not taken it over; else None and why not."""
+    and torch's watchdog has not taken it over; else why not."""
     get = getattr(backend, "_comm_ptr", None)
     if get is None:
-        return None, "no _comm_ptr()"
+        return Skipped("no _comm_ptr()", may_run=True)
     get_error = getattr(backend, "get_error", None)
     if get_error is not None:
         error = call_within(get_error, timeout, "inprocess-nccl-state")
         if not error.finished:
-            return None, "get_error() did not return"
+            return Skipped("get_error() did not return", may_run=True)
         if error.error is None and error.value is not None and getattr(error.value, "name", "SUCCESS") != "SUCCESS":
-            return None, f"torch saw {error.value.name} on it (its watchdog may free the communicator)"
+            return Skipped(f"torch saw {error.value.name} on it (its watchdog may free the communicator)", may_run=True)
     is_initialized = getattr(backend, "_is_initialized", None)
     if is_initialized is not None:
         ready: Bounded[bool] = call_within(is_initialized, min(timeout, MUTEX_CHECK_S), "inprocess-nccl-state")
         if not ready.finished:
-            return None, "its mutex is held (an abort or a creation in progress)"
+            return Skipped("its mutex is held (an abort or a creation in progress)", may_run=True)
         if ready.error is not None or not ready.value:
-            return None, "no communicator ready"
+            # No collective has run on a communicator not ready: no kernel of its own.
+            return Skipped("no communicator ready", may_run=False)
     try:
         pointer = int(get())
-    except Exception as e:  # aborted by torch since, or none on this device
-        return None, f"_comm_ptr(): {e}"
+    except Exception as e:  # aborted by torch already (its kernels told to stop), or none made
+        return Skipped(f"_comm_ptr(): {e}", may_run=False)
     if not pointer:
-        return None, "no communicator on this device"
-    return Communicator(pointer, is_blocking(backend)), ""
+        return Skipped("no communicator on this device", may_run=False)
+    return Communicator(pointer, is_blocking(backend))
 
 
 def _use_device(library: Optional[_native.NcclLibrary], ordinal: int) -> str:
@@ -186,14 +196,16 @@ def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> Ncc
     if report.device_message:
         log.debug("NCCL release: device %d not made current: %s", report.device, report.device_message)
     comms: List[Communicator] = []
+    may_run = False
     if revoke and library is not None and library.has_revoke:
         for backend in backends:
-            found, why = communicator(backend, left())
-            if found is None:
-                report.skipped.append(f"{backend}: {why}")
+            found = communicator(backend, left())
+            if isinstance(found, Skipped):
+                report.skipped.append(f"{backend}: {found.why}")
+                may_run = may_run or found.may_run
             else:
                 comms.append(found)
-    if report.skipped and comms:
+    if may_run and comms:
         # A group left out keeps its kernels running until torch aborts it: a
         # revoke of the others waits for those on a shared stream. All or none.
         log.debug("NCCL release: no revoke, %d of %d groups left to torch", len(report.skipped), len(backends))
