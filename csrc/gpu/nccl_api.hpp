@@ -40,13 +40,15 @@ constexpr int kGroupAbortVersion = version_code(2, 22, 0);
 }  // namespace inprocess::nccl
 
 // The CUDA driver calls that make a device current on a thread (the NCCL
-// worker's, the restart trigger's), declared here for the same reason. A
-// CUdevice and a CUcontext are an int and an opaque pointer in cuda.h.
+// worker's, the restart trigger's), declared here for the same reason, with
+// the handle types of gpu/cuda_api.hpp (tests/abi_check.cpp checks both).
+struct CUctx_st;
+
 namespace inprocess::nccl::driver {
 
 using CUresult = int;
 using CUdevice = int;
-using CUcontext = struct CUctx_st*;
+using CUcontext = CUctx_st*;
 
 #define INPROCESS_CURRENT_DEVICE_FUNCTIONS(X)                            \
   X(cuDeviceGet, CUresult (*)(CUdevice*, int))                           \
