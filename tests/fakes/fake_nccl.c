@@ -117,17 +117,19 @@ typedef int (*ctx_get_device_t)(int*);
 typedef int (*retain_t)(void**, int);
 typedef int (*set_current_t)(void*);
 
-static void* driver(void) {
-  static void* handle;
-  static int tried;
+static void* g_driver;
+static pthread_once_t g_driver_once = PTHREAD_ONCE_INIT;
+
+static void open_driver(void) {
   const char* path = getenv("FAKE_NCCL_LIBCUDA");
-  if (path == NULL || path[0] == '\0') return NULL;
-  if (!tried) {
-    handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    if (handle == NULL) handle = dlopen(path, RTLD_NOW);
-    tried = 1;
-  }
-  return handle;
+  if (path == NULL || path[0] == '\0') return;
+  g_driver = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (g_driver == NULL) g_driver = dlopen(path, RTLD_NOW);
+}
+
+static void* driver(void) {
+  pthread_once(&g_driver_once, open_driver);
+  return g_driver;
 }
 
 static int cudart_get_device(void) {
@@ -306,8 +308,9 @@ static ncclResult_t group_end(int counted) {
   if (--g_group_depth > 0) return kSuccess;
   ncclResult_t error = g_group_error;
   int blocking = g_group_blocking;
-  struct job_batch* batch = (struct job_batch*)calloc(1, sizeof(struct job_batch));
-  memcpy(batch->jobs, g_jobs, sizeof(g_jobs));
+  struct job_batch local;
+  struct job_batch* batch = blocking == 0 ? (struct job_batch*)calloc(1, sizeof(struct job_batch)) : &local;
+  memcpy(batch->jobs, g_jobs, sizeof(struct job) * (size_t)g_job_count);
   batch->count = g_job_count;
   g_job_count = 0;
   g_group_blocking = -1;
@@ -315,13 +318,9 @@ static ncclResult_t group_end(int counted) {
   pthread_mutex_lock(&g_mu);
   if (counted) g_group_ends++;
   pthread_mutex_unlock(&g_mu);
-  if (error != kSuccess) { /* groupCleanup: nothing runs */
-    free(batch);
+  if (error != kSuccess || batch->count == 0) { /* groupCleanup: nothing runs */
+    if (batch != &local) free(batch);
     return error;
-  }
-  if (batch->count == 0) {
-    free(batch);
-    return kSuccess;
   }
   if (blocking == 0) {
     pthread_mutex_lock(&g_mu);
@@ -333,7 +332,7 @@ static ncclResult_t group_end(int counted) {
     return kInProgress;
   }
   int saved = cudart_get_device();
-  run_batch(batch);
+  for (int i = 0; i < batch->count; ++i) run_job(batch->jobs[i]);
   cudart_set_device(saved);
   return kSuccess;
 }
