@@ -348,3 +348,20 @@ def test_a_rank_whose_abort_was_abandoned_exits_without_touching_torchs_groups(f
     assert "destroying torch's groups" not in message
     fault = float(re.search(r"fault at ([0-9.]+)", message).group(1))  # type: ignore[union-attr]
     assert exited - fault < 10, message  # the abort's 1 s deadline, then the way out
+
+
+@pytest.mark.timeout(90)
+def test_the_restart_thread_can_be_bound_before_the_release(fakes: Fakes) -> None:
+    """For the restart thread's other GPU work before the release (a flight
+    recorder dump): bind_rank_device() makes the rank's device current there."""
+    out = run_case(fakes, """
+        pg = FakeProcessGroupNCCL(fakes, device=3)
+        def trigger():
+            before = cuda.fake_cuda_thread_device()
+            message = nccl_abort.bind_rank_device([pg])
+            return before, message, cuda.fake_cuda_thread_device()
+        before, message, after = on_trigger_thread(trigger)
+        print(json.dumps({"before": before, "message": message, "after": after, "created": created()}))
+    """)
+    assert out["before"] == -1 and out["message"] == "" and out["after"] == RANK_DEVICE
+    assert set(out["created"].values()) == {0}

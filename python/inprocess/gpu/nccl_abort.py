@@ -179,6 +179,16 @@ def _use_device(library: Optional[_native.NcclLibrary], ordinal: int) -> str:
     return driver.bind(ordinal)
 
 
+def bind_rank_device(backends: Sequence[Any]) -> str:
+    """Makes this rank's device current on the calling thread (and on the NCCL
+    worker), where its context exists; "" when done, else why not. For work of
+    the restart thread before the release (a flight-recorder dump) that must
+    not create a context on GPU 0 either."""
+    library, _ = libraries.nccl()
+    ordinal = rank_device(backends)
+    return _use_device(library, ordinal) if ordinal >= 0 else "no device for this rank"
+
+
 def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> NcclRelease:
     """Revokes (where possible) and aborts `backends` (torch NCCL backends)
     within `timeout` seconds. Raises :class:`NcclAbortTimeout` past it."""
@@ -192,7 +202,7 @@ def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> Ncc
     if library is None:
         log.debug("NCCL revoke unavailable: %s", reason)
     report.device = rank_device(backends)
-    report.device_message = _use_device(library, report.device)
+    report.device_message = _use_device(library, report.device) if report.device >= 0 else "no device for this rank"
     if report.device_message:
         log.debug("NCCL release: device %d not made current: %s", report.device, report.device_message)
     comms: List[Communicator] = []
