@@ -95,7 +95,10 @@ def nccl() -> Tuple[Optional[_native.NcclLibrary], str]:
     if path:
         library, reason = _cached("nccl", path, lambda: _native.NcclLibrary.open(path))
     else:
-        found = _native.NcclLibrary.find_loaded()
+        try:
+            found = _native.NcclLibrary.find_loaded()
+        except RuntimeError as e:  # torch's library reaches an NCCL that lacks a function
+            return None, str(e)
         if found is None:
             return None, "torch's NCCL is not loaded in this process (torch without NCCL, or no NCCL group yet)"
         expected = torch_nccl_version()
