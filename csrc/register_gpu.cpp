@@ -14,6 +14,7 @@ namespace inprocess::bindings {
 
 using gpu::CudaDriver;
 using gpu::CudaOutcome;
+using gpu::CurrentDevice;
 using gpu::GpuStatus;
 using gpu::NcclLibrary;
 using gpu::NcclOutcome;
@@ -75,6 +76,14 @@ void register_gpu(py::module_& m) {
                ")";
       });
 
+  py::class_<CurrentDevice, std::shared_ptr<CurrentDevice>>(
+      m, "CurrentDevice", "Makes a device current on a thread through the CUDA driver, never creating a context.")
+      .def_static("open", &CurrentDevice::open, py::arg("path") = "", nogil(),
+                  "libcuda.so.1 (the loaded copy first) or `path`; RuntimeError when missing or incomplete.")
+      .def("bind", &CurrentDevice::bind, py::arg("device"), nogil(),
+           "Makes `device` current on the calling thread where its primary context is active: '' when done, "
+           "else why not.");
+
   py::class_<NcclLibrary, std::shared_ptr<NcclLibrary>>(m, "NcclLibrary",
                                                         "The process's libnccl; communicators by pointer.")
       .def_static("find_loaded", &NcclLibrary::find_loaded, nogil(), "The libnccl already loaded, else None.")
@@ -87,7 +96,11 @@ void register_gpu(py::module_& m) {
       .def("error_string", &NcclLibrary::error_string, py::arg("result"))
       .def("symbols", &NcclLibrary::symbols)
       .def("abort", &NcclLibrary::abort, py::arg("comms"), py::arg("grouped"), py::arg("timeout_ns"), nogil())
-      .def("revoke", &NcclLibrary::revoke, py::arg("comms"), py::arg("timeout_ns"), nogil())
+      .def("revoke", &NcclLibrary::revoke, py::arg("comms"), py::arg("blocking"), py::arg("timeout_ns"), nogil())
+      .def("use_device", &NcclLibrary::use_device, py::arg("driver"), py::arg("device"), nogil(),
+           "Later calls run on a worker thread with `device` current (also made current on the calling thread); "
+           "'' when it could be, else why not.")
+      .def_property_readonly("device", &NcclLibrary::device)
       .def("async_errors", &NcclLibrary::async_errors, py::arg("comms"), py::arg("timeout_ns"), nogil());
 
   py::class_<NvmlReport>(m, "NvmlReport")

@@ -56,6 +56,13 @@ using CUdeviceptr = inprocess::cuda::CUdeviceptr;
 INPROCESS_CUDA_FUNCTIONS(INPROCESS_CHECK)
 }  // namespace cuda_check
 
+namespace current_device_check {  // the driver calls of the NCCL abort's device (gpu/nccl_api.hpp)
+using CUresult = inprocess::nccl::driver::CUresult;
+using CUdevice = inprocess::nccl::driver::CUdevice;
+using CUcontext = inprocess::nccl::driver::CUcontext;
+INPROCESS_CURRENT_DEVICE_FUNCTIONS(INPROCESS_CHECK)
+}  // namespace current_device_check
+
 namespace nccl_check {
 using ncclResult_t = inprocess::nccl::ncclResult_t;
 using ncclComm_t = inprocess::nccl::ncclComm_t;

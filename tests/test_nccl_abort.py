@@ -153,14 +153,14 @@ def test_revoke_releases_collectives_and_waits_for_quiescence(
     comms = FakeComms(fakes["nccl"], 2)
     try:
         comms.block_collectives()
-        out = nccl.revoke(comms.pointers, S)
+        out = nccl.revoke(comms.pointers, [True, True], S)
         comms.join()
         assert out.status == _native.GpuStatus.DONE and out.results == [0, 0]
         assert len(comms.released) == 2
         assert [comms.state(i) for i in range(2)] == [2, 2]  # revoked, not freed (aborted)
         # Revoked communicators that never quiesce: the deadline, not a hang.
         monkeypatch.setenv("FAKE_NCCL_MODE", "revoke_stuck")
-        out = nccl.revoke(comms.pointers, 200 * MS)
+        out = nccl.revoke(comms.pointers, [True, True], 200 * MS)
         assert out.status == _native.GpuStatus.TIMED_OUT and "in progress" in out.message
     finally:
         comms.free()
@@ -193,7 +193,7 @@ def test_variants_in_a_fresh_process(fakes: Fakes) -> None:
         "assert _native.NcclLibrary.find_loaded() is None, 'CPU torch loads no libnccl'\n"
         "lib = _native.NcclLibrary.open(sys.argv[1] if len(sys.argv) > 1 else %r)\n"
         "assert not lib.has_revoke\n"
-        "out = lib.revoke([], 10**9)\n"
+        "out = lib.revoke([], [], 10**9)\n"
         "assert out.status == _native.GpuStatus.ERROR and '2.28.7' in out.message, out.message\n"
         "print('ok')\n"
     ) % fakes["nccl_no_revoke"]

@@ -69,6 +69,12 @@ std::shared_ptr<DynamicLibrary> DynamicLibrary::open(const std::string& path) {
 
 void* DynamicLibrary::symbol(const char* name) const { return dlsym(handle_, name); }
 
+std::string DynamicLibrary::file_of(const void* address) {
+  Dl_info info{};
+  if (address == nullptr || dladdr(address, &info) == 0 || info.dli_fname == nullptr) return "";
+  return info.dli_fname;
+}
+
 void SymbolTable::throw_if_missing(const std::string& what) const {
   if (missing_.empty()) return;
   std::string names;

@@ -28,8 +28,11 @@ class DynamicLibrary {
   DynamicLibrary& operator=(const DynamicLibrary&) = delete;
   ~DynamicLibrary();
 
-  // The symbol's address, nullptr when absent.
+  // The symbol's address, nullptr when absent. dlsym on the handle: the
+  // library itself first, then the libraries it needs, in load order.
   void* symbol(const char* name) const;
+  // The file of the loaded object that holds `address` (dladdr), "" if none.
+  static std::string file_of(const void* address);
   // The file the handle maps (from dlinfo), else the name it was opened by.
   const std::string& path() const { return path_; }
   bool was_loaded_before() const { return was_loaded_before_; }

@@ -38,3 +38,24 @@ constexpr int kGroupAbortVersion = version_code(2, 22, 0);
 #define INPROCESS_NCCL_OPTIONAL_FUNCTIONS(X) X(ncclCommRevoke, ncclResult_t (*)(ncclComm_t, int))
 
 }  // namespace inprocess::nccl
+
+// The CUDA driver calls that make a device current on a thread (the NCCL
+// worker's, the restart trigger's), declared here for the same reason, with
+// the handle types of gpu/cuda_api.hpp (tests/abi_check.cpp checks both).
+struct CUctx_st;
+
+namespace inprocess::nccl::driver {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = CUctx_st*;
+
+#define INPROCESS_CURRENT_DEVICE_FUNCTIONS(X)                            \
+  X(cuDeviceGet, CUresult (*)(CUdevice*, int))                           \
+  X(cuDevicePrimaryCtxGetState, CUresult (*)(CUdevice, unsigned int*, int*)) \
+  X(cuDevicePrimaryCtxRetain, CUresult (*)(CUcontext*, CUdevice))        \
+  X(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))                \
+  X(cuCtxSetCurrent, CUresult (*)(CUcontext))                            \
+  X(cuCtxGetCurrent, CUresult (*)(CUcontext*))
+
+}  // namespace inprocess::nccl::driver

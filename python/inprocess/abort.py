@@ -52,7 +52,8 @@ class AbortTorchDistributed(Abort):
     loaded NCCL has ``ncclCommRevoke``, then aborted by torch on a thread of
     their own. An abort still running at the deadline raises
     :class:`~inprocess.gpu.NcclAbortTimeout` instead of hanging the restart;
-    the rank then leaves the job.
+    the rank then leaves the job (exit status 75, without touching torch's
+    groups again: the abandoned abort holds their locks).
 
     ``torch_fr_trace_path`` (as in NVRx 0.5+): before aborting, torch's NCCL
     flight recorder is written there (``{rank}`` and ``{iteration}`` are filled

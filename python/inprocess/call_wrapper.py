@@ -33,7 +33,7 @@ from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine.interrupt import interrupted_by
-from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames
+from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames, exit_if_abort_abandoned
 from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
@@ -518,6 +518,7 @@ class CallWrapper:
         if lost is not None:
             # Counted out above; the process must go so the launcher replaces it (exit status 76).
             leave_for_lost_context(lost)
+        exit_if_abort_abandoned()  # counted out above; torch's groups must not be touched again
         raise exc
 
     # -- entering and leaving the call -------------------------------------------

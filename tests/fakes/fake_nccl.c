@@ -1,36 +1,97 @@
-/* A fake NCCL (libnccl.so.2) for tests without a GPU. Communicators are made
- * by fake_nccl_comm_create(); fake_nccl_collective_wait() models a collective
- * that cannot complete: it blocks until its communicator is aborted or
- * revoked. FAKE_NCCL_MODE, read at every call:
- *   ok                 aborts and revokes take effect at once (grouped ones at ncclGroupEnd)
+/* A fake NCCL (libnccl.so.2) for tests without a GPU. It follows NCCL
+ * v2.30.7-1 (github.com/NVIDIA/nccl, commit 73cf112295c3) where inprocess
+ * depends on it:
+ *
+ * - ncclCommAbort and ncclCommRevoke set the communicator's abort flag at the
+ *   call, then run a job that waits for the communicator's streams (src/init.cc
+ *   lines 3025-3061 and 2965-3022; the jobs commReclaim/commDestroySync,
+ *   lines 2729-2750, and commRevokeAsync, lines 2933-2963, synchronize the
+ *   host and device streams). Outside a group the job runs at once; inside
+ *   ncclGroupStart/End it runs at the group end, after every call of the group
+ *   set its flag (src/group.cc, ncclAsyncLaunch lines 36-70).
+ * - A kernel launched on a stream (fake_nccl_kernel_launch) ends only once
+ *   its communicator's abort flag is set. Communicators made on one stream
+ *   (torch 2.13 runs synchronous collectives on the current stream, and NCCL
+ *   makes its own stream wait on it) see each other's kernels: a job waiting
+ *   for the stream waits for every kernel on it.
+ * - ncclCommAbort frees the communicator (commFree). Here its memory is kept
+ *   but poisoned: any later call with it prints "use of a freed communicator"
+ *   and aborts the process, where the real library would read freed memory.
+ * - Blocking and non-blocking communicators cannot share a group (src/group.cc
+ *   lines 54-62): the call returns ncclInvalidArgument and the group end
+ *   fails without running any job. A non-blocking group end returns
+ *   ncclInProgress and runs its jobs on a thread (lines 824-857); a
+ *   communicator reports ncclInProgress until its job is done.
+ * - The blocking group end saves the calling thread's device and sets it back
+ *   (src/group.cc lines 859-863); each job sets its communicator's device
+ *   (src/init.cc lines 2734, 2940). The device is kept, as NCCL's static
+ *   cudart keeps it, in the CUDA driver's current context: with
+ *   FAKE_NCCL_LIBCUDA naming the (fake) driver, cudaGetDevice reads the
+ *   calling thread's current context (0 when there is none, creating
+ *   nothing) and cudaSetDevice retains and sets the device's primary context
+ *   (creating it where it is not active, as cudaSetDevice does since CUDA 12).
+ *   Without FAKE_NCCL_LIBCUDA the device is a thread-local number.
+ *
+ * FAKE_NCCL_MODE, read at every call:
+ *   ok                 as above
  *   abort_hangs        ncclCommAbort never returns
  *   revoke_stuck       revoked communicators report ncclInProgress for ever
- * FAKE_NCCL_VERSION (default 22807) is what ncclGetVersion says;
- * FAKE_NCCL_ASYNC_ERROR what ncclCommGetAsyncError reports (default 0).
- * Built with -DFAKE_NCCL_NO_REVOKE it lacks ncclCommRevoke (an NCCL before
- * 2.28.7); with -DFAKE_NCCL_OMIT_ABORT it lacks ncclCommAbort. */
+ * FAKE_NCCL_VERSION is what ncclGetVersion says (default 22807, or
+ * FAKE_NCCL_DEFAULT_VERSION at build time); FAKE_NCCL_ASYNC_ERROR what
+ * ncclCommGetAsyncError reports (default 0) unless fake_nccl_set_async_error
+ * set one for the communicator. Built with -DFAKE_NCCL_NO_REVOKE it lacks
+ * ncclCommRevoke (an NCCL before 2.28.7); with -DFAKE_NCCL_OMIT_ABORT it lacks
+ * ncclCommAbort. */
+#include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
+#ifndef FAKE_NCCL_DEFAULT_VERSION
+#define FAKE_NCCL_DEFAULT_VERSION 22807
+#endif
+
 typedef int ncclResult_t;
+enum { kSuccess = 0, kInvalidArgument = 4, kInvalidUsage = 5, kInProgress = 7 };
+
+#define LIVE 0x4e43434cu  /* "NCCL" */
+#define FREED 0xdeadbeefu
 
 struct ncclComm {
-  int aborted;
+  unsigned magic;
+  int aborted;      /* ncclCommAbort was called: freed */
   int revoked;
+  int abort_flag;   /* what a kernel of the communicator polls */
   int revoke_polls; /* ncclInProgress answers left after a revoke */
+  int in_progress;  /* a non-blocking job not finished */
+  int device;
+  int blocking;
+  int stream;       /* -1: a stream of its own */
+  int kernels;      /* kernels launched and not ended */
+  int has_error;
+  ncclResult_t error;
+};
+
+enum job_kind { JOB_ABORT, JOB_REVOKE };
+struct job {
+  struct ncclComm* comm;
+  enum job_kind kind;
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
-/* Group state is per thread, as in NCCL: a thread stuck inside a group does
- * not hold the groups of other threads. */
+/* Group state is per thread, as in NCCL (src/group.cc lines 27-32). */
 static __thread int g_group_depth;
-static __thread struct ncclComm* g_pending[64];
-static __thread int g_pending_count;
+static __thread struct job g_jobs[64];
+static __thread int g_job_count;
+static __thread int g_group_blocking = -1;
+static __thread ncclResult_t g_group_error;
+static __thread int g_thread_device; /* without a driver */
 static long g_group_ends;
+static int g_streams_released; /* test clean-up: every stream wait returns */
 
 static int mode_is(const char* m) {
   const char* mode = getenv("FAKE_NCCL_MODE");
@@ -41,15 +102,104 @@ __attribute__((unused)) static void hang_forever(void) {
   for (;;) pause();
 }
 
-struct ncclComm* fake_nccl_comm_create(void) { return (struct ncclComm*)calloc(1, sizeof(struct ncclComm)); }
-void fake_nccl_comm_free(struct ncclComm* c) { free(c); }
+static void check_live(const struct ncclComm* c, const char* call) {
+  if (c != NULL && c->magic != LIVE) {
+    fprintf(stderr, "fake NCCL: %s: use of a freed communicator %p\n", call, (const void*)c);
+    fflush(stderr);
+    abort();
+  }
+}
 
-/* Bit 0: aborted, bit 1: revoked. */
+/* ---- the device, through the (fake) CUDA driver, as cudart does ---- */
+
+typedef int (*ctx_get_current_t)(void**);
+typedef int (*ctx_get_device_t)(int*);
+typedef int (*retain_t)(void**, int);
+typedef int (*set_current_t)(void*);
+
+static void* g_driver;
+static pthread_once_t g_driver_once = PTHREAD_ONCE_INIT;
+
+static void open_driver(void) {
+  const char* path = getenv("FAKE_NCCL_LIBCUDA");
+  if (path == NULL || path[0] == '\0') return;
+  g_driver = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (g_driver == NULL) g_driver = dlopen(path, RTLD_NOW);
+}
+
+static void* driver(void) {
+  pthread_once(&g_driver_once, open_driver);
+  return g_driver;
+}
+
+static int cudart_get_device(void) {
+  void* d = driver();
+  if (d == NULL) return g_thread_device;
+  void* ctx = NULL;
+  ((ctx_get_current_t)dlsym(d, "cuCtxGetCurrent"))(&ctx);
+  if (ctx == NULL) return 0; /* cudaGetDevice on a thread without a context: 0, nothing created */
+  int device = 0;
+  ((ctx_get_device_t)dlsym(d, "cuCtxGetDevice"))(&device);
+  return device;
+}
+
+static void cudart_set_device(int device) {
+  void* d = driver();
+  if (d == NULL) {
+    g_thread_device = device;
+    return;
+  }
+  void* ctx = NULL;
+  ((retain_t)dlsym(d, "cuDevicePrimaryCtxRetain"))(&ctx, device);
+  ((set_current_t)dlsym(d, "cuCtxSetCurrent"))(ctx);
+}
+
+/* For the fake torch backend (tests/fakes/fake_torch_nccl.py): what
+ * c10::cuda::current_device() answers on the calling thread. */
+int fake_cudart_get_device(void) { return cudart_get_device(); }
+/* And what c10::cuda::set_device (cudaSetDevice) does on it. */
+void fake_cudart_set_device(int device) { cudart_set_device(device); }
+
+/* ---- the test's side ---- */
+
+static struct ncclComm* g_all[4096]; /* every communicator made: what shares a stream */
+static int g_all_count;
+
+struct ncclComm* fake_nccl_comm_create_on(int device, int blocking, int stream) {
+  struct ncclComm* c = (struct ncclComm*)calloc(1, sizeof(struct ncclComm));
+  c->magic = LIVE;
+  c->device = device;
+  c->blocking = blocking;
+  c->stream = stream;
+  pthread_mutex_lock(&g_mu);
+  if (g_all_count < 4096) g_all[g_all_count++] = c;
+  pthread_mutex_unlock(&g_mu);
+  return c;
+}
+
+struct ncclComm* fake_nccl_comm_create(void) { return fake_nccl_comm_create_on(0, 1, -1); }
+
+/* What the owner's destroy does: later calls with `c` fail loudly. The memory
+ * stays allocated (poisoned) so that the test can still read the state. */
+void fake_nccl_comm_free(struct ncclComm* c) {
+  pthread_mutex_lock(&g_mu);
+  c->magic = FREED;
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* Bit 0: aborted (freed by ncclCommAbort), bit 1: revoked, bit 2: poisoned. */
 int fake_nccl_comm_state(struct ncclComm* c) {
   pthread_mutex_lock(&g_mu);
-  int s = (c->aborted ? 1 : 0) | (c->revoked ? 2 : 0);
+  int s = (c->aborted ? 1 : 0) | (c->revoked ? 2 : 0) | (c->magic != LIVE ? 4 : 0);
   pthread_mutex_unlock(&g_mu);
   return s;
+}
+
+void fake_nccl_set_async_error(struct ncclComm* c, int error) {
+  pthread_mutex_lock(&g_mu);
+  c->has_error = 1;
+  c->error = error;
+  pthread_mutex_unlock(&g_mu);
 }
 
 long fake_nccl_group_ends(void) {
@@ -59,7 +209,23 @@ long fake_nccl_group_ends(void) {
   return n;
 }
 
-/* 1 once `c` is aborted or revoked, 0 after timeout_ms. */
+/* A kernel of `c` on its stream: it runs until `c`'s abort flag is set. */
+void fake_nccl_kernel_launch(struct ncclComm* c) {
+  pthread_mutex_lock(&g_mu);
+  check_live(c, "kernel launch");
+  c->kernels++;
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* Ends every stream wait still hanging (test clean-up). */
+void fake_nccl_release_streams(void) {
+  pthread_mutex_lock(&g_mu);
+  g_streams_released = 1;
+  pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* 1 once `c` is aborted, revoked or its abort flag set, 0 after timeout_ms. */
 int fake_nccl_collective_wait(struct ncclComm* c, int timeout_ms) {
   struct timespec deadline;
   clock_gettime(CLOCK_REALTIME, &deadline);
@@ -70,26 +236,137 @@ int fake_nccl_collective_wait(struct ncclComm* c, int timeout_ms) {
     deadline.tv_nsec -= 1000000000L;
   }
   pthread_mutex_lock(&g_mu);
-  int released = c->aborted || c->revoked;
+  int released = c->aborted || c->revoked || c->abort_flag;
   while (!released) {
     if (pthread_cond_timedwait(&g_cv, &g_mu, &deadline) != 0) break;
-    released = c->aborted || c->revoked;
+    released = c->aborted || c->revoked || c->abort_flag;
   }
-  released = c->aborted || c->revoked;
+  released = c->aborted || c->revoked || c->abort_flag;
   pthread_mutex_unlock(&g_mu);
   return released;
 }
 
+/* ---- jobs ---- */
+
+/* The stream `c` runs on is idle: every kernel on it (its own, and those of
+ * the communicators sharing the stream) has its abort flag set. Called with
+ * g_mu held. */
+static int stream_idle(const struct ncclComm* c) {
+  if (c->kernels > 0 && !c->abort_flag) return 0;
+  if (c->stream < 0) return 1;
+  for (int i = 0; i < g_all_count; ++i) {
+    const struct ncclComm* o = g_all[i];
+    if (o != c && o->stream == c->stream && o->kernels > 0 && !o->abort_flag && o->magic == LIVE) return 0;
+  }
+  return 1;
+}
+
+static void run_job(struct job j) {
+  cudart_set_device(j.comm->device);
+  pthread_mutex_lock(&g_mu);
+  while (!stream_idle(j.comm) && !g_streams_released) pthread_cond_wait(&g_cv, &g_mu);
+  if (j.kind == JOB_ABORT) {
+    j.comm->kernels = 0;
+    j.comm->aborted = 1;
+    j.comm->magic = FREED; /* commFree */
+  } else {
+    j.comm->kernels = 0;
+    j.comm->revoked = 1;
+    j.comm->revoke_polls = 2;
+    j.comm->abort_flag = 0; /* commRevokeAsync resets the flags once quiescent */
+  }
+  j.comm->in_progress = 0;
+  pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+struct job_batch {
+  struct job jobs[64];
+  int count;
+};
+
+static void* run_batch(void* arg) {
+  struct job_batch* b = (struct job_batch*)arg;
+  for (int i = 0; i < b->count; ++i) run_job(b->jobs[i]);
+  free(b);
+  return NULL;
+}
+
+/* ncclAsyncLaunch: the job now (outside a group, inside the call's own
+ * implicit group), else queued for the group end. */
+static ncclResult_t launch(struct ncclComm* c, enum job_kind kind);
+
+ncclResult_t ncclGroupStart(void) {
+  g_group_depth++;
+  return kSuccess;
+}
+
+/* ncclGroupEndInternal; `counted`: the caller's own ncclGroupEnd (not the
+ * implicit group every ncclCommAbort/Revoke opens), for fake_nccl_group_ends. */
+static ncclResult_t group_end(int counted) {
+  if (g_group_depth == 0) return kInvalidUsage;
+  if (--g_group_depth > 0) return kSuccess;
+  ncclResult_t error = g_group_error;
+  int blocking = g_group_blocking;
+  struct job_batch local;
+  struct job_batch* batch = blocking == 0 ? (struct job_batch*)calloc(1, sizeof(struct job_batch)) : &local;
+  memcpy(batch->jobs, g_jobs, sizeof(struct job) * (size_t)g_job_count);
+  batch->count = g_job_count;
+  g_job_count = 0;
+  g_group_blocking = -1;
+  g_group_error = kSuccess;
+  pthread_mutex_lock(&g_mu);
+  if (counted) g_group_ends++;
+  pthread_mutex_unlock(&g_mu);
+  if (error != kSuccess || batch->count == 0) { /* groupCleanup: nothing runs */
+    if (batch != &local) free(batch);
+    return error;
+  }
+  if (blocking == 0) {
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < batch->count; ++i) batch->jobs[i].comm->in_progress = 1;
+    pthread_mutex_unlock(&g_mu);
+    pthread_t t;
+    pthread_create(&t, NULL, run_batch, batch);
+    pthread_detach(t);
+    return kInProgress;
+  }
+  int saved = cudart_get_device();
+  for (int i = 0; i < batch->count; ++i) run_job(batch->jobs[i]);
+  cudart_set_device(saved);
+  return kSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) { return group_end(1); }
+
+static ncclResult_t launch(struct ncclComm* c, enum job_kind kind) {
+  ncclGroupStart();
+  int blocking = kind == JOB_ABORT ? 1 : c->blocking; /* destroyFlag: always blocking */
+  ncclResult_t r = kSuccess;
+  if (g_group_blocking == -1) {
+    g_group_blocking = blocking;
+  } else if (g_group_blocking != blocking) {
+    r = kInvalidArgument; /* "Blocking and nonblocking communicators are not allowed in the same group." */
+    g_group_error = r;
+  }
+  if (r == kSuccess && g_job_count < 64) g_jobs[g_job_count++] = (struct job){c, kind};
+  ncclResult_t end = group_end(0);
+  return r != kSuccess ? r : end;
+}
+
+/* ---- the API ---- */
+
 ncclResult_t ncclGetVersion(int* version) {
   const char* v = getenv("FAKE_NCCL_VERSION");
-  *version = v ? atoi(v) : 22807;
-  return 0;
+  *version = v ? atoi(v) : FAKE_NCCL_DEFAULT_VERSION;
+  return kSuccess;
 }
 
 const char* ncclGetErrorString(ncclResult_t result) {
   switch (result) {
     case 0: return "no error";
     case 2: return "unhandled system error";
+    case 4: return "invalid argument";
     case 5: return "invalid usage";
     case 6: return "remote process exited or there was a network error";
     case 7: return "NCCL operation in progress";
@@ -99,63 +376,46 @@ const char* ncclGetErrorString(ncclResult_t result) {
 
 #ifndef FAKE_NCCL_OMIT_ABORT
 ncclResult_t ncclCommAbort(struct ncclComm* c) {
+  if (c == NULL) return kSuccess;
   if (mode_is("abort_hangs")) hang_forever();
   pthread_mutex_lock(&g_mu);
-  if (g_group_depth > 0 && g_pending_count < 64) {
-    g_pending[g_pending_count++] = c; /* takes effect at ncclGroupEnd, as a group */
-  } else {
-    c->aborted = 1;
-    pthread_cond_broadcast(&g_cv);
-  }
+  check_live(c, "ncclCommAbort");
+  c->abort_flag = 1; /* setCommAbortFlags(comm, 1), before the job */
+  pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
-  return 0;
+  return launch(c, JOB_ABORT);
 }
 #endif
 
 ncclResult_t ncclCommGetAsyncError(struct ncclComm* c, ncclResult_t* error) {
   pthread_mutex_lock(&g_mu);
-  if (c->revoked && (mode_is("revoke_stuck") || c->revoke_polls > 0)) {
+  check_live(c, "ncclCommGetAsyncError");
+  if (c->in_progress || (c->revoked && (mode_is("revoke_stuck") || c->revoke_polls > 0))) {
     if (c->revoke_polls > 0) c->revoke_polls--;
-    *error = 7; /* ncclInProgress */
+    *error = kInProgress;
+  } else if (c->has_error) {
+    *error = c->error;
   } else {
     const char* e = getenv("FAKE_NCCL_ASYNC_ERROR");
     *error = e ? atoi(e) : 0;
   }
   pthread_mutex_unlock(&g_mu);
-  return 0;
-}
-
-ncclResult_t ncclGroupStart(void) {
-  pthread_mutex_lock(&g_mu);
-  g_group_depth++;
-  pthread_mutex_unlock(&g_mu);
-  return 0;
-}
-
-ncclResult_t ncclGroupEnd(void) {
-  pthread_mutex_lock(&g_mu);
-  if (g_group_depth == 0) {
-    pthread_mutex_unlock(&g_mu);
-    return 5; /* ncclInvalidUsage */
-  }
-  if (--g_group_depth == 0) {
-    for (int i = 0; i < g_pending_count; ++i) g_pending[i]->aborted = 1;
-    g_pending_count = 0;
-    g_group_ends++;
-    pthread_cond_broadcast(&g_cv);
-  }
-  pthread_mutex_unlock(&g_mu);
-  return 0;
+  return kSuccess;
 }
 
 #ifndef FAKE_NCCL_NO_REVOKE
 ncclResult_t ncclCommRevoke(struct ncclComm* c, int flags) {
-  if (flags != 0) return 4; /* ncclInvalidArgument */
+  if (c == NULL) return kSuccess;
+  if (flags != 0) return kInvalidArgument;
   pthread_mutex_lock(&g_mu);
-  c->revoked = 1;
-  c->revoke_polls = 2;
+  check_live(c, "ncclCommRevoke");
+  if (c->revoked) { /* "Disallow revoke if revoke in progress" */
+    pthread_mutex_unlock(&g_mu);
+    return kInvalidArgument;
+  }
+  c->abort_flag = 1;
   pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
-  return 0;
+  return launch(c, JOB_REVOKE);
 }
 #endif

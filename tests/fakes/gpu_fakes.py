@@ -34,6 +34,12 @@ VARIANTS = {
     "nccl_no_abort": ("fake_nccl.c", "libnccl.so.2", ["-DFAKE_NCCL_OMIT_ABORT"]),
     "nvml": ("fake_nvml.c", "libnvidia-ml.so.1", []),
     "torch_watchdog": ("fake_torch_watchdog.c", "libfake_torch_watchdog.so", []),
+    # A driver that keeps primary contexts and each thread's current one (the NCCL abort's device).
+    "cuda_contexts": ("fake_cuda_contexts.c", "libcuda.so.1", []),
+    # torch built with NCCL linked in statically: the NCCL functions are in libtorch_cuda.so itself.
+    # The locking of torch's ProcessGroupNCCL (tests/fakes/fake_torch_nccl.py).
+    "c10d": ("fake_c10d.c", "libfake_c10d.so", []),
+    "torch_cuda_static_nccl": ("fake_nccl.c", "libtorch_cuda.so", ["-DFAKE_NCCL_DEFAULT_VERSION=22903"]),
 }
 
 

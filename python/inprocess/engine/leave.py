@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import enum
+import logging
+import os
+import sys
 import traceback
 from typing import Iterator, Optional
 
 from ..control.protocol import FaultRecord, RestartProtocol
 from ..state import Mode, State
+
+log = logging.getLogger("inprocess")
 
 
 class Leave(enum.Enum):
@@ -72,3 +77,26 @@ def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseE
 
     p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc), expected_at,
                 timeout=timeout, who=f"r{s.initial_rank}")
+
+
+def exit_if_abort_abandoned() -> None:
+    """A rank whose NCCL abort was abandoned at its deadline (``NcclAbortTimeout``)
+    ends its process here, once it is counted out, with exit status 75 (the rank
+    the restart could not release), without Python's exit machinery: the
+    abandoned thread still holds torch's locks (``ProcessGroupNCCL::abortComms``
+    holds the group's mutex for the whole of its aborts), and destroying the
+    groups, here or in torch's destructors at exit, waits on that mutex until
+    the monitor's hard timeout."""
+    from ..gpu import nccl_abort  # not at import: inprocess.gpu imports this module
+    from .trigger import EXIT_CODE_UNRELEASABLE
+
+    if not nccl_abort.abandoned():
+        return
+    log.error("an NCCL abort was abandoned at its deadline: this rank exits (code %d) without touching "
+              "torch's process groups again", EXIT_CODE_UNRELEASABLE)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+    os._exit(EXIT_CODE_UNRELEASABLE)

@@ -42,6 +42,20 @@ def visible_in_environment() -> Optional[int]:
     return len([e for e in visible.split(",") if e.strip()])
 
 
+def torch_visible_devices() -> Optional[int]:
+    """How many devices this process sees, for code that runs beside torch's
+    own use of CUDA (the NCCL abort, a finalize thread): torch's count where
+    torch has initialised CUDA already (it creates no context), else
+    :func:`visible_in_environment`. Asking torch before it initialised CUDA
+    would initialise the runtime in a rank that may never use it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.device_count())
+    return visible_in_environment()
+
+
 def cuda_ordinal(device: Optional[int] = None, visible: Optional[int] = None) -> int:
     """The CUDA device of this rank: `device`, else ``LOCAL_RANK`` modulo
     `visible` (the devices this process sees; None: not known, taken as

@@ -7,9 +7,15 @@ The paths can be set for tests and diagnostics:
 - ``INPROCESS_LIBCUDA``: the CUDA driver library (default ``libcuda.so.1``,
   the copy already loaded first);
 - ``INPROCESS_LIBNVML``: NVML (default ``libnvidia-ml.so.1``);
-- ``INPROCESS_LIBNCCL``: an NCCL file to load when none is loaded yet. When a
-  libnccl is already loaded (torch's), that one is used and a different file
-  is refused: torch's communicators must never meet a second copy.
+- ``INPROCESS_LIBNCCL``: an NCCL file to load when none is loaded yet. When
+  torch's NCCL is loaded, that one is used and a different file is refused:
+  torch's communicators must never meet a second copy.
+
+torch's NCCL is found through torch's own ``libtorch_cuda.so`` (its handle,
+opened with ``RTLD_NOLOAD``, reaches an NCCL linked into it statically as well
+as the libnccl it needs), never as "the first libnccl loaded": another package
+(cupy, vLLM, nccl4py) may have loaded its own libnccl.so.2 first. Its version
+must be the one ``torch.cuda.nccl.version()`` reports.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 from .. import _native
 
-Library = Union[_native.CudaDriver, _native.NcclLibrary, _native.NvmlLibrary]
+Library = Union[_native.CudaDriver, _native.NcclLibrary, _native.NvmlLibrary, _native.CurrentDevice]
 
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[Optional[Library], str]] = {}
@@ -44,6 +50,32 @@ def cuda_driver() -> Tuple[Optional[_native.CudaDriver], str]:
     return library, reason
 
 
+def current_device() -> Tuple[Optional[_native.CurrentDevice], str]:
+    """The driver calls that make a device current on a thread (the NCCL abort's)."""
+    path = os.environ.get("INPROCESS_LIBCUDA", "")
+    library, reason = _cached("current_device", path, lambda: _native.CurrentDevice.open(path))
+    assert library is None or isinstance(library, _native.CurrentDevice)
+    return library, reason
+
+
+def torch_nccl_version() -> Optional[Tuple[int, int, int]]:
+    """The NCCL version torch was built with and loaded, None where torch has no NCCL."""
+    try:
+        import torch
+
+        found = torch.cuda.nccl.version()
+    except Exception:  # torch without CUDA or without NCCL
+        return None
+    if isinstance(found, tuple) and len(found) >= 3:  # (major, minor, patch[, suffix])
+        return (int(found[0]), int(found[1]), int(found[2]))
+    return None
+
+
+def version_tuple(code: int) -> Tuple[int, int, int]:
+    """NCCL_VERSION_CODE (X*10000 + Y*100 + Z since 2.9) as (X, Y, Z)."""
+    return (code // 10000, (code // 100) % 100, code % 100)
+
+
 def nvml() -> Tuple[Optional[_native.NvmlLibrary], str]:
     path = os.environ.get("INPROCESS_LIBNVML", "")
     library, reason = _cached("nvml", path, lambda: _native.NvmlLibrary.open(path))
@@ -63,9 +95,19 @@ def nccl() -> Tuple[Optional[_native.NcclLibrary], str]:
     if path:
         library, reason = _cached("nccl", path, lambda: _native.NcclLibrary.open(path))
     else:
-        found = _native.NcclLibrary.find_loaded()
+        try:
+            found = _native.NcclLibrary.find_loaded()
+        except RuntimeError as e:  # torch's library reaches an NCCL that lacks a function
+            return None, str(e)
         if found is None:
-            return None, "no libnccl is loaded in this process (torch without NCCL, or NCCL linked statically)"
+            return None, "torch's NCCL is not loaded in this process (torch without NCCL, or no NCCL group yet)"
+        expected = torch_nccl_version()
+        if expected is not None and version_tuple(found.version) != expected:
+            reason = (f"the NCCL found ({found.path}, {'.'.join(map(str, version_tuple(found.version)))}) is not "
+                      f"torch's ({'.'.join(map(str, expected))}): not acting on torch's communicators with it")
+            with _lock:
+                _cache["nccl:"] = (None, reason)
+            return None, reason
         with _lock:
             _cache["nccl:"] = (found, "")
         library, reason = found, ""
