@@ -92,7 +92,9 @@ def test_the_environment_is_torchruns_variable_for_variable(tmp_path: pathlib.Pa
     theirs_dir, ours_dir = tmp_path / "torchrun", tmp_path / "ours"
     theirs_dir.mkdir()
     ours_dir.mkdir()
-    res = launch(theirs_dir, "--nproc-per-node", "3", launcher=("-m", "torch.distributed.run"), timeout=100)
+    # --standalone: torchrun's rendezvous on a free port of its own (its default is the fixed 29500).
+    res = launch(theirs_dir, "--standalone", "--nproc-per-node", "3", launcher=("-m", "torch.distributed.run"),
+                 timeout=100)
     assert res.returncode == 0, res.stderr
     theirs = ranks_seen(theirs_dir, 3)
     res = launch(ours_dir, "--nproc", "3", timeout=100)
