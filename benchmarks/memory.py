@@ -19,8 +19,9 @@ Processes read:
   (the inprocess modules and native extension, the heartbeat page, the
   watchdog and restart-trigger threads, the extra store connections);
 - each rank's monitor process (``python -m inprocess.processes.monitor``, a child of
-  the rank process), and the store host (``python -m inprocess.processes.store_host``),
-  where the library starts one, once per job;
+  the rank process), and the store host, where the library starts one, once per job:
+  a child of rank 0 forked without exec, named ``inprocess-store`` (its command line
+  is the rank's), or ``python -m inprocess.processes.store_host`` where it is started so;
 - for comparison, a process that imports torch (``python -c "import torch"``,
   what a monitor that imported torch would weigh at least) and a bare
   interpreter (``python -c ...``), both parked on stdin. Their RSS is the
@@ -130,13 +131,27 @@ def heartbeat_mapping(proc: Any) -> dict[str, float] | None:
             "size_kb": sum(int(m.addr.split("-")[1], 16) - int(m.addr.split("-")[0], 16) for m in maps) / 1024}
 
 
+# The store host is forked from the rank without exec (inprocess/processes/forked.py): its command
+# line is the rank's, only its name (comm, what ``ps -o comm`` shows) tells it apart.
+STORE_HOST_COMM = "inprocess-store"
+
+
 def role_of(proc: Any) -> str | None:
     cmd = " ".join(proc.cmdline())
     if "inprocess.processes.monitor" in cmd:
         return "monitor"
-    if "inprocess.processes.store_host" in cmd:
-        return "store_host"
+    if "inprocess.processes.store_host" in cmd or process_comm(proc.pid) == STORE_HOST_COMM:
+        return "store_host"  # started with exec (store_host's own main), or forked
     return None
+
+
+def process_comm(pid: int) -> str:
+    """The kernel's name of the process (/proc/<pid>/comm), not psutil's, which may substitute the command's."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def measure_job(mode: str, world_size: int, tmp: pathlib.Path, tag: str, timeout: float) -> dict[str, Any]:

@@ -6,13 +6,31 @@ import json
 import os
 import pathlib
 import time
+import warnings
 from typing import Any, Optional
 
 import pytest
+import torch.distributed  # noqa: F401  (loads libtorch, whose getnameinfo numeric_host_names redirects)
 
+from inprocess.control.host_names import numeric_host_names
 from inprocess.launch import LocalJob
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test process's own stores make no reverse DNS lookup, as the library's do.
+
+    Tests open raw ``torch.distributed.TCPStore`` servers and clients in this process; torch names
+    each connection with ``getnameinfo()`` of ``::ffff:127.0.0.1``, which no /etc/hosts lists by
+    default, so every connection asked the network's resolver, and a dropped query stalled the
+    test (and, on a legacy server, every client of it) for the resolver's timeout: 5 s. Which test
+    met the dropped query depended on how many lookups the modules before it had made. The
+    library's own redirect (inprocess/control/host_names.py) is applied here once, before any test.
+    """
+    if not numeric_host_names():
+        warnings.warn("torch's getnameinfo was not redirected in the test process: its stores make reverse DNS "
+                      "lookups, and a slow resolver can stall the timed tests", stacklevel=1)
 
 
 class JobResult:

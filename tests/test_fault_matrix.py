@@ -313,12 +313,18 @@ def test_a_rank_assignment_hung_for_good_on_the_leader(tmp_path: pathlib.Path, k
     for r in survivors:
         restart = assert_survivor(res, r, 2, 3)["restarts"][-1]
         assert restart["iteration"] == 1 and restart["terminated"] == hung, restart
-        assert [f["kind"] for f in restart["faults"] if f["rank"] == hung[0]] == ["hard_timeout"], restart
+        # Rank 1's exception began the restart; the hung leader's monitor added its hard_timeout. Any rank
+        # can lead barrier 2, rank 1 too: then both faults are the hung rank's, its exception first (recorded
+        # before the barrier it hung in).
+        expected = {1: ["exception"]}
+        expected.setdefault(hung[0], []).append("hard_timeout")
+        for rank, kinds in expected.items():
+            assert [f["kind"] for f in restart["faults"] if f["rank"] == rank] == kinds, (rank, restart)
     # From rank 1's fault in iteration 1: the leader's hard_timeout (4 s), the kill, the takeover.
     resumed = resume_s(res, survivors, 1, fault_time_ns(res, 1, 1))
     assert 3.5 < resumed < 7.5, resumed
     report(f"{kind} for good in the leader's rank assignment", outcome="the leader killed at hard_timeout, 3 finish",
-           rcs=res.returncodes, resume_s=resumed, took_s=took)
+           rcs=res.returncodes, resume_s=resumed, took_s=took, hung_rank=hung[0])
 
 
 # -- several ranks at once, and a second fault during a restart -------------------------------------

@@ -469,6 +469,7 @@ def _monitor_of_a_store_that_goes(tmp_path: pathlib.Path, heartbeat_interval_s: 
     """A monitor watching rank 1 in iteration 2, its store served by a process the test may kill."""
     server = subprocess.Popen(
         [sys.executable, "-c", "import datetime, sys, torch.distributed as d; "
+         "from inprocess.control.host_names import numeric_host_names; numeric_host_names(); "
          "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False); "
          "print(s.port, flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

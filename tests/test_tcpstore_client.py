@@ -456,6 +456,8 @@ def test_many_threads_share_one_client(ours: TCPStoreClient, theirs: dist.TCPSto
 
 _SERVER_CODE = (
     "import sys, torch.distributed as d\n"
+    "from inprocess.control.host_names import numeric_host_names\n"
+    "numeric_host_names()\n"  # as every server of the tests: no reverse DNS lookup per connection (conftest.py)
     "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, use_libuv=sys.argv[1] == '1')\n"
     "print(s.port, flush=True)\n"
     "sys.stdin.read()\n"

@@ -33,6 +33,8 @@ ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))
 if os.getppid() == 1:
     sys.exit(1)
 import torch.distributed as dist
+from inprocess.control.host_names import numeric_host_names
+numeric_host_names()  # as the library's store host: no reverse DNS lookup per connection
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True,
                       timeout=datetime.timedelta(seconds=600))
 sys.stdout.write(f"{store.port}\\n")
@@ -42,8 +44,10 @@ sys.stdin.read()
 
 # torch's socket layer reverse-resolves every connected address (getnameinfo
 # without NI_NUMERICHOST, client and server side); "::ffff:127.0.0.1" may not
-# be in /etc/hosts, so each connect may wait on the resolver. Bound that wait
-# in the processes this benchmark starts.
+# be in /etc/hosts, so each connect may wait on the resolver. The server and the
+# client processes apply the library's redirect to the numeric form
+# (inprocess/control/host_names.py), as ranks and store hosts do; this bounds the
+# wait of any lookup that would be left, in the processes this benchmark starts.
 CHILD_ENV = {"RES_OPTIONS": "timeout:1 attempts:2"}
 
 Progress = Callable[[str], None]

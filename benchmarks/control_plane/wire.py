@@ -55,6 +55,9 @@ class Connections:
     def __init__(self, port: int, groups: int, timeout_s: float):
         import torch.distributed as dist
 
+        from inprocess.control.host_names import numeric_host_names
+
+        numeric_host_names()  # as a rank's: torch names each connection without asking the resolver
         td = datetime.timedelta(seconds=timeout_s)
 
         def connect(_: int) -> Any:

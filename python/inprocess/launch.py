@@ -2,29 +2,53 @@
 
 ``python -m inprocess.launch --nproc 4 train.py [args...]`` runs a job on this
 machine, for trying the library, its demo, its tests and benchmarks; real jobs
-are launched by torchrun or SLURM. Each rank gets RANK, WORLD_SIZE,
-MASTER_ADDR=127.0.0.1, MASTER_PORT, and LOCAL_RANK, LOCAL_WORLD_SIZE and
-GROUP_RANK as torchrun numbers them (``--ranks-per-node`` fakes several
-nodes). Unlike torchrun, it leaves the other ranks running when one exits or
-dies: that is the case the in-process restart handles. It waits for every
-rank, kills them all (their process groups: monitors included) on Ctrl-C,
-SIGTERM or ``--timeout``, and exits with 0 when every rank did, else with the
-first non-zero status in rank order (128 + the signal for a killed rank).
+are launched by torchrun or SLURM. Each rank gets the variables torchrun's
+agent gives its workers (torch/distributed/elastic/agent/server/
+local_elastic_agent.py, ``_start_workers``), numbered as torchrun numbers them
+(``--ranks-per-node`` fakes several nodes), and OMP_NUM_THREADS=1 when several
+ranks run and the variable is unset (torch/distributed/run.py). Unlike
+torchrun, it leaves the other ranks running when one exits or dies: that is
+the case the in-process restart handles. It waits for every rank, kills them
+all (their process groups: monitors included) on Ctrl-C, SIGTERM or
+``--timeout``, and ends with one summary line. Its exit status is 0 when the
+job finished: every rank returned 0 or was excluded by a restart that the
+others recovered from (the ranks' events say which); else, and always with
+``--strict``, the first non-zero status in rank order (128 + the signal for a
+killed rank).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import pathlib
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Optional, Sequence
+import uuid
+from typing import Any, Optional, Sequence
+
+# torchrun's --role default: every rank has the one role.
+ROLE_NAME = "default"
+
+# What torchrun prints when it sets OMP_NUM_THREADS (torch/distributed/run.py), word for word.
+OMP_WARNING = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be "
+    "1 in default, to avoid your system being overloaded, "
+    "please further tune the variable for optimal performance in "
+    "your application as needed. \n"
+    "*****************************************"
+)
+EVENTS_VAR = "INPROCESS_EVENTS_DIR"  # inprocess/events.py: where each rank appends its events
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -106,6 +130,10 @@ class LocalJob:
         self.env = dict(env or {})
         self.capture = capture
         self.python = python or sys.executable  # the interpreter every rank runs
+        self.nodes = math.ceil(world_size / self.ranks_per_node)
+        # As torchrun: several processes and no OMP_NUM_THREADS of the user's -> 1 thread each. torchrun
+        # counts the processes of one node; every fake node here shares this machine, so all of them count.
+        self.sets_omp_num_threads = world_size > 1 and "OMP_NUM_THREADS" not in {**os.environ, **self.env}
         self.ranks: list[RankProcess] = []
 
     def __enter__(self) -> "LocalJob":
@@ -115,14 +143,21 @@ class LocalJob:
                 env.update(self.env)
                 env.update(
                     RANK=str(rank),
-                    WORLD_SIZE=str(self.world_size),
+                    GROUP_RANK=str(rank // self.ranks_per_node),
+                    ROLE_RANK=str(rank),
+                    ROLE_NAME=ROLE_NAME,
                     LOCAL_RANK=str(rank % self.ranks_per_node),
                     LOCAL_WORLD_SIZE=str(self._local_world_size(rank)),
-                    GROUP_RANK=str(rank // self.ranks_per_node),
+                    WORLD_SIZE=str(self.world_size),
+                    GROUP_WORLD_SIZE=str(self.nodes),
+                    ROLE_WORLD_SIZE=str(self.world_size),
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(self.port),
                     PYTHONUNBUFFERED="1",
                 )
+                env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default, the user's value kept
+                if self.sets_omp_num_threads:
+                    env["OMP_NUM_THREADS"] = "1"
                 out = subprocess.PIPE if self.capture else None
                 popen = subprocess.Popen(
                     [self.python, *self.argv],
@@ -190,6 +225,97 @@ def _exit_status(returncode: Optional[int]) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def elastic_env() -> dict[str, str]:
+    """The job-wide variables of torchrun's elastic agent, as a first incarnation without restarts has them.
+
+    Only the command sets them, not :class:`LocalJob`: the tests' and benchmarks' workers read
+    TORCHELASTIC_RESTART_COUNT to tell a torchrun restart of their processes. The run id is new for every
+    job, as torchrun's standalone one is; no agent hosts a store here (rank 0's process does).
+    """
+    return {
+        "TORCHELASTIC_RUN_ID": str(uuid.uuid4()),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+@dataclasses.dataclass
+class EventsSeen:
+    """What the ranks' event files (inprocess/events.py) say about the job."""
+
+    restarts: int  # restart decisions: distinct (call, iteration > 0) of the ``decision`` events
+    excluded: set[int]  # initial ranks a restart's decision terminated
+
+
+class EventsReader:
+    """Reads the events the ranks append to a directory, from where the files ended when the job started."""
+
+    def __init__(self, directory: str):
+        self.directory = pathlib.Path(directory)
+        self.start = {path.name: path.stat().st_size for path in self.directory.glob("rank*.jsonl")}
+
+    def read(self) -> Optional[EventsSeen]:
+        """None when no rank wrote an event here (a program without the wrapper, or with its own events_dir)."""
+        events: list[dict[str, Any]] = []
+        for path in sorted(self.directory.glob("rank*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.start.get(path.name, 0))
+                for line in f:
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut by a kill
+                    if isinstance(event, dict):
+                        events.append(event)
+        if not events:
+            return None
+        restarts = {(e.get("call"), e.get("iteration")) for e in events
+                    if e.get("kind") == "decision" and isinstance(e.get("iteration"), int) and e["iteration"] > 0}
+        excluded = {r for e in events if e.get("kind") == "decision" for r in e.get("terminated") or ()}
+        return EventsSeen(len(restarts), excluded)
+
+
+def describe_status(returncode: Optional[int]) -> str:
+    if returncode is None:
+        return "did not exit"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], strict: bool) -> tuple[str, int]:
+    """The summary line and the launcher's exit status.
+
+    The job finished when every rank returned 0, or was excluded by a restart's decision while a rank
+    that was not excluded returned 0: the others recovered from its fault and ended the job. Without
+    events nothing tells a recovered fault, so any non-zero rank fails the job. A failed job (and any job,
+    ``strict``) exits with the first non-zero status in rank order.
+    """
+    statuses = [_exit_status(rc) for rc in returncodes]
+    excluded = seen.excluded if seen is not None else set()
+    finished = [r for r, status in enumerate(statuses) if status == 0]
+    lost = [r for r, status in enumerate(statuses) if status != 0]
+    recovered = bool(lost) and all(r in excluded for r in lost) and any(r not in excluded for r in finished)
+    job_finished = not lost or recovered
+    parts = [f"{len(finished)} of {len(statuses)} ranks finished"]
+    if seen is None:
+        parts.append("restarts unknown (no rank wrote events)")
+    else:
+        parts.append(f"{seen.restarts} restart{'' if seen.restarts == 1 else 's'}")
+    for r in lost:
+        why = describe_status(returncodes[r])
+        parts.append(f"rank {r} {why}" + (", excluded by a restart" if r in excluded else ""))
+    status = next((s for s in statuses if s), 0)
+    if job_finished and not strict:
+        status = 0
+    verdict = "job finished" if job_finished else "job failed"
+    return f"inprocess.launch: {verdict}: {'; '.join(parts)}; exit status {status}", status
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m inprocess.launch",
@@ -200,6 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="consecutive ranks per fake node (LOCAL_WORLD_SIZE); default: one node")
     parser.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free port)")
     parser.add_argument("--timeout", type=float, default=None, help="kill every rank after this many seconds")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with the first non-zero rank status even when the others recovered and finished")
     parser.add_argument("script", help="the Python script each rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
@@ -211,11 +339,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--timeout={ns.timeout}: expected a number of seconds > 0")
     if not os.path.isfile(ns.script):
         parser.error(f"script {ns.script!r}: no such file")
+    # The ranks' events tell a rank excluded by a recovered restart from a failed job: the user's
+    # directory if set (read from where its files end now), else one of ours for this job.
+    own_events = None if os.environ.get(EVENTS_VAR) else tempfile.mkdtemp(prefix="inprocess-launch-events-")
+    events_dir = own_events or os.environ[EVENTS_VAR]
+    try:
+        return _run(parser, ns, events_dir)
+    finally:
+        if own_events is not None:
+            shutil.rmtree(own_events, ignore_errors=True)
+
+
+def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace, events_dir: str) -> int:
+    os.makedirs(events_dir, exist_ok=True)
+    events = EventsReader(events_dir)
     try:
         job = LocalJob([ns.script, *ns.args], ns.nproc, port=ns.port, capture=False,
-                       ranks_per_node=ns.ranks_per_node)
+                       ranks_per_node=ns.ranks_per_node, env={**elastic_env(), EVENTS_VAR: events_dir})
     except ValueError as e:
         parser.error(str(e))
+    if job.sets_omp_num_threads:
+        print(OMP_WARNING, file=sys.stderr)
 
     def stop(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -231,11 +375,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except KeyboardInterrupt:
             print("inprocess.launch: interrupted; every rank was killed", file=sys.stderr)
             return 130
-    statuses = [_exit_status(rp.returncode) for rp in ranks]
-    for rp, status in zip(ranks, statuses, strict=True):
-        if status:
-            print(f"inprocess.launch: rank {rp.rank} exited with status {status}", file=sys.stderr)
-    return next((s for s in statuses if s), 0)
+    line, status = summarize([rp.returncode for rp in ranks], events.read(), ns.strict)
+    print(line, file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

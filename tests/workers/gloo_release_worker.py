@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from inprocess.control.host_names import numeric_host_names
 from inprocess.engine import pg_tracker, sockets
 
 OUT = pathlib.Path(os.environ["OUT"])
@@ -55,6 +56,7 @@ def main() -> None:
     if RELEASE not in ("hold", "shutdown"):
         raise ValueError(f"RELEASE={RELEASE!r}: expected 'hold' or 'shutdown'")
     pg_tracker.install()
+    numeric_host_names()  # the env:// store of rank 0 names its peers without asking the resolver, as ranks do
     before = sockets.socket_fds()
     dist.init_process_group("gloo", rank=RANK, world_size=2, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     group_sockets = sockets.new_since(before)
