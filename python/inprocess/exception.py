@@ -30,6 +30,23 @@ class TimeoutError(RestartError, builtins.TimeoutError):
     """A barrier or a wait of the restart engine ran past its timeout."""
 
 
+class BarrierError(RestartError):
+    """A barrier of the restart engine failed (``inprocess.store.BarrierError`` in NVRx)."""
+
+
+class BarrierTimeout(BarrierError, TimeoutError):
+    """A barrier (initial, restart, completion) was not complete within its timeout.
+
+    Also a :class:`TimeoutError` (and so a ``builtins.TimeoutError``): code
+    that catches either, as written for this library or for NVRx, sees it.
+    """
+
+
+class BarrierOverflow(BarrierError, InternalError):
+    """More ranks arrived at a barrier than it counts: the store holds arrivals
+    of another job or of a process that was counted out already."""
+
+
 class RankShouldRestart(BaseException):
     """Raised into the main thread of every rank when the job restarts."""
 
