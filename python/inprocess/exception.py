@@ -1,8 +1,10 @@
-"""Exceptions of the restart engine.
+"""Exceptions of the restart engine, with NVRx's names and bases.
 
-``RestartAbort``, ``RankShouldRestart`` and ``RankDiscarded`` derive from
-``BaseException`` on purpose: a training loop's ``except Exception`` must not
-swallow the engine's control flow.
+``RestartAbort`` and ``RankShouldRestart`` derive from ``BaseException`` on
+purpose: a training loop's ``except Exception`` must not swallow the engine's
+control flow. ``RankDiscarded`` (a rank the rank assignment terminated; what
+that rank's caller gets) is a ``RestartError``, as in NVRx, so a caller's
+``except Exception`` sees it there and here alike.
 """
 
 from __future__ import annotations
@@ -51,5 +53,5 @@ class RankShouldRestart(BaseException):
     """Raised into the main thread of every rank when the job restarts."""
 
 
-class RankDiscarded(BaseException):
+class RankDiscarded(RestartError):
     """This rank was terminated by the rank assignment and leaves the job."""

@@ -107,6 +107,10 @@ class NestedRestarterLogger(logging.Logger):
         for handler in self.restarter_logger.handlers:
             handler.flush()
 
+    def log_restarter_event(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """The same as :meth:`log_for_restarter` (NVRx 0.5+: this logger always writes the contract)."""
+        self.log_for_restarter(message, *args, **kwargs)
+
 
 _shared_logger: Optional[NestedRestarterLogger] = None
 
