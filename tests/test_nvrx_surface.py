@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 import pathlib
+import sys
 import types
 import typing
 from typing import Any, Optional
@@ -295,3 +296,179 @@ def test_the_comparison_reports_what_differs() -> None:
     missing = entry_problems(module, "inprocess.abort", "AbortTransformerEngine",
                              SURFACE["inprocess.abort"]["AbortTransformerEngine"], set())
     assert missing and "missing" in missing[0]
+
+
+# -- the names added for NVRx behave as NVRx documents them ---------------------------------------
+
+
+def _state(rank: int = 0, world_size: int = 1) -> Any:
+    import inprocess
+
+    return inprocess.FrozenState(rank=rank, world_size=world_size)
+
+
+@pytest.mark.timeout(60)
+def test_threaded_finalize_calls_fn_with_its_args_and_kwargs_not_the_state() -> None:
+    import datetime
+
+    from inprocess.exception import TimeoutError as RestartTimeout
+    from inprocess.finalize import ThreadedFinalize
+
+    calls: list[tuple[Any, ...]] = []
+    timeout = datetime.timedelta(seconds=5)
+    ThreadedFinalize(timeout, lambda: calls.append(()))(_state())  # Megatron's no-argument destroy_state
+    ThreadedFinalize(timeout, lambda a, b, c=0: calls.append((a, b, c)), args=(1, 2), kwargs={"c": 3})(_state())
+    ThreadedFinalize(timeout, lambda *a: calls.append(a), args=None, kwargs=None)(_state())
+    assert calls == [(), (1, 2, 3), ()]
+    with pytest.raises(RestartTimeout, match="did not return within 0.2s"):
+        ThreadedFinalize(datetime.timedelta(seconds=0.2), __import__("time").sleep, args=(2,))(_state())
+    with pytest.raises(ValueError, match="args=\\[1\\]: expected a tuple"):
+        ThreadedFinalize(timeout, print, args=[1])  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_fault_counter_raises_fault_counter_exceeded_past_max_rank_faults() -> None:
+    import dataclasses
+
+    from inprocess.exception import RestartError
+    from inprocess.health_check import FaultCounter, FaultCounterExceeded
+
+    counter = FaultCounter(max_rank_faults=1)
+    failed = dataclasses.replace(_state(), fn_exception=RuntimeError("step failed"))
+    counter(_state())  # a restart caused elsewhere: not counted
+    counter(failed)
+    assert counter.faults_count == 1
+    with pytest.raises(FaultCounterExceeded, match="raised 2 faults, more than max_rank_faults=1"):
+        counter(failed)
+    assert issubclass(FaultCounterExceeded, RestartError)
+
+
+@pytest.mark.timeout(60)
+def test_barrier_errors_are_nvrx_names_and_what_was_raised_before() -> None:
+    import builtins
+
+    import inprocess
+    from inprocess.store import BarrierError, BarrierOverflow, BarrierTimeout
+
+    assert issubclass(BarrierTimeout, BarrierError) and issubclass(BarrierOverflow, BarrierError)
+    assert issubclass(BarrierError, inprocess.RestartError)
+    # What a barrier raised before these names existed still catches them.
+    assert issubclass(BarrierTimeout, inprocess.TimeoutError) and issubclass(BarrierTimeout, builtins.TimeoutError)
+    assert issubclass(BarrierOverflow, inprocess.InternalError)
+    assert issubclass(inprocess.RankDiscarded, inprocess.RestartError)  # an Exception, as there
+
+
+@pytest.mark.timeout(60)
+def test_abort_hooks_of_optional_libraries_do_nothing_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inprocess.abort import AbortPersistentCheckpointProcesses, AbortTransformerEngine
+
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.fp8",
+                 "nvidia_resiliency_ext", "nvidia_resiliency_ext.checkpointing",
+                 "nvidia_resiliency_ext.checkpointing.async_ckpt",
+                 "nvidia_resiliency_ext.checkpointing.async_ckpt.core"):
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import fails
+    state = _state()
+    assert AbortTransformerEngine()(state) is state
+    assert AbortPersistentCheckpointProcesses()(state) is state
+
+
+@pytest.mark.timeout(60)
+def test_abort_hooks_call_what_the_libraries_provide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fakes of the two entry points NVRx's hooks call: TransformerEngine's
+    ``transformer_engine.pytorch.module.base.destroy_ub()`` and ``transformer_engine.pytorch.fp8.
+    FP8GlobalStateManager.reset()`` (TE's transformer_engine/pytorch/module/base.py and fp8.py, as
+    NVRx's abort.py calls them), and nvidia_resiliency_ext's ``checkpointing/async_ckpt/core.py:
+    abort_nvrx_checkpoint()``."""
+    from inprocess.abort import AbortPersistentCheckpointProcesses, AbortTransformerEngine
+
+    called: list[str] = []
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.module = types.SimpleNamespace(base=types.SimpleNamespace(destroy_ub=lambda: called.append("destroy_ub")))  # type: ignore[attr-defined]
+    fp8 = types.ModuleType("transformer_engine.pytorch.fp8")
+    fp8.FP8GlobalStateManager = types.SimpleNamespace(reset=lambda: called.append("fp8 reset"))  # type: ignore[attr-defined]
+    core = types.ModuleType("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
+    core.abort_nvrx_checkpoint = lambda: called.append("abort_nvrx_checkpoint")  # type: ignore[attr-defined]
+    for name, module in (("transformer_engine", types.ModuleType("transformer_engine")),
+                         ("transformer_engine.pytorch", te), ("transformer_engine.pytorch.fp8", fp8),
+                         ("nvidia_resiliency_ext.checkpointing.async_ckpt.core", core)):
+        monkeypatch.setitem(sys.modules, name, module)
+    AbortTransformerEngine()(_state())
+    AbortPersistentCheckpointProcesses()(_state())
+    assert called == ["destroy_ub", "fp8 reset", "abort_nvrx_checkpoint"]
+
+
+@pytest.mark.timeout(60)
+def test_nested_restarter_hooks_take_nvrx_keywords(capsys: pytest.CaptureFixture[str]) -> None:
+    from inprocess.nested_restarter import (
+        NestedRestarterAborted,
+        NestedRestarterCallback,
+        NestedRestarterFinalized,
+        NestedRestarterHandlingStarting,
+        NestedRestarterLogger,
+    )
+
+    lines: list[tuple[Optional[int], str]] = []
+
+    class Recorder:
+        rank: Optional[int] = None
+
+        def set_connected_rank(self, rank: Optional[int]) -> None:
+            self.rank = rank
+
+        def log_for_restarter(self, message: str) -> None:
+            lines.append((self.rank, message))
+
+    recorder = Recorder()
+    NestedRestarterHandlingStarting(logger=recorder, special_rank=1)(_state(1, 2))
+    NestedRestarterHandlingStarting(logger=recorder, special_rank=1)(_state(0, 2))  # not the special rank
+    NestedRestarterFinalized(restarter_stage="done", logger=recorder)(_state())
+    NestedRestarterAborted(restarter_state="gone", logger=recorder)(_state())
+    NestedRestarterCallback("custom", "stage", recorder, 0)(_state())
+    assert lines == [(1, "[NestedRestarter] name=[InProcess] state=handling stage=starting"),
+                     (0, "[NestedRestarter] name=[InProcess] state=finalized stage=done"),
+                     (0, "[NestedRestarter] name=[InProcess] state=gone"),
+                     (0, "[NestedRestarter] name=[InProcess] state=custom stage=stage")]
+    logger = NestedRestarterLogger()
+    assert logger.name == "InprocessRestarter" and logger.restarter_logger.name == "InprocessRestarter.Restarter"
+    NestedRestarterFinalized(logger=logger)(_state())
+    assert capsys.readouterr().out.rstrip().endswith("[NestedRestarter] name=[InProcess] state=finalized")
+    with pytest.raises(ValueError, match="logger=.*expected an object with set_connected_rank"):
+        NestedRestarterFinalized(logger=object())
+
+
+@pytest.mark.timeout(60)
+def test_nodes_activate_bounded_and_propagate_terminations() -> None:
+    import inprocess
+    from inprocess.rank_assignment import Layer, LayerFlag, Node, bounded_activate, propagate_terminations
+
+    # Two hosts of three ranks; at most 4 active in all, 2 per host; a host with fewer than 2 healthy goes.
+    root = Node(None, "job", Layer(max_ranks=4, flag=LayerFlag.RESERVE), None)
+    hosts = [root.add_child(f"host{h}", Layer(min_ranks=2, max_ranks=2, flag=LayerFlag.BACKFILL), None)
+             for h in range(2)]
+    leaves = [hosts[r // 3].add_child(r, None, inprocess.State(r, 6)) for r in range(6)]
+    assert bounded_activate(root, 0) == 4
+    assert [leaf.state.mode.name for leaf in leaves] == ["ACTIVE", "ACTIVE", "INACTIVE"] * 2
+    assert [leaf.state.active_rank for leaf in leaves] == [0, 1, None, 2, 3, None]
+    assert set(root.inactive_nodes) == {2, 5} and set(hosts[1].inactive_nodes) == {5}
+    leaves[3].terminate()
+    assert set(root.inactive_nodes) == {2, 5}  # an active rank's termination frees no spare
+    # host1: rank 3 terminated, 4 leaving, 1 healthy < min_ranks=2: its ranks not terminated yet go too.
+    assert propagate_terminations(root, {4}) == {4, 5}
+    leaves[0].assign_backfill_domain()
+    assert leaves[0].backfill_domain is hosts[0]
+    assert [leaf.name for leaf in root.iter_leaves()] == list(range(6)) and not root.is_leaf()
+
+
+@pytest.mark.timeout(60)
+def test_a_grouping_key_may_be_any_hashable_value_of_this_rank() -> None:
+    from inprocess.rank_assignment import FilterCountGroupedByKey, Layer
+
+    state = _state(5, 8)
+    assert FilterCountGroupedByKey(key_or_fn=5 // 2, condition=bool).local_keys(state) == ("2",)
+    assert FilterCountGroupedByKey(key_or_fn=lambda s: s.rank // 2, condition=bool).local_keys(state) == ("2",)
+    assert FilterCountGroupedByKey(key_or_fn=("rack", 1), condition=bool).local_keys(state) == ("('rack', 1)",)
+    with pytest.raises(ValueError) as info:
+        Layer(key_or_fn=["not", "hashable"])
+    message = str(info.value)
+    assert "key_or_fn=['not', 'hashable'] (list) is not hashable" in message
+    assert "same on every rank" not in message and "ranks with equal keys form one group" in message
