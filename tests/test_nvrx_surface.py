@@ -472,3 +472,20 @@ def test_a_grouping_key_may_be_any_hashable_value_of_this_rank() -> None:
     message = str(info.value)
     assert "key_or_fn=['not', 'hashable'] (list) is not hashable" in message
     assert "same on every rank" not in message and "ranks with equal keys form one group" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_per_rank_assignment_whose_peers_never_come_raises_barrier_timeout() -> None:
+    """Called per rank outside the Wrapper, FilterCountGroupedByKey meets the other ranks in the store,
+    as NVRx's does at its store barrier, and raises what that barrier raises when they do not come."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import inprocess
+    from inprocess.rank_assignment import FilterCountGroupedByKey, RankAssignmentCtx
+    from inprocess.store import BarrierTimeout
+
+    assignment = FilterCountGroupedByKey(key_or_fn=0, condition=bool, timeout=datetime.timedelta(seconds=0.2))
+    with pytest.raises(BarrierTimeout, match=r"ranks \[1\] of \[0, 1\] did not publish"):
+        assignment(RankAssignmentCtx(inprocess.State(rank=0, world_size=2), dist.HashStore(), set()))
