@@ -44,7 +44,7 @@ def test_three_of_four_ranks_launched(tmp_path):
                 p.wait()
     for rank in range(3):
         exception = json.loads((tmp_path / f"rank{rank}.json").read_text())["exception"]
-        expected = "TimeoutError: barrier 0: 3 of 4 ranks arrived; missing initial rank 3 ("
+        expected = "BarrierTimeout: barrier 0: 3 of 4 ranks arrived; missing initial rank 3 ("
         assert exception.startswith(expected), exception
     # The ranks leave together: rank 0 does not wait a second barrier_timeout for its store host.
     assert max(ended.values()) - min(ended.values()) < BARRIER_S / 2, ended

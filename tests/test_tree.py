@@ -97,7 +97,7 @@ def active_of(m: Membership) -> dict[int, int]:
         ({"min_ranks": True}, "min_ranks=True"),
         ({"max_ranks": 0}, "max_ranks=0"),
         ({"max_ranks": 2.5}, "max_ranks=2.5"),
-        ({"key_or_fn": 3}, "key_or_fn=3"),
+        ({"key_or_fn": [3]}, "key_or_fn=[3]"),
         ({"flag": "RESERVE"}, "flag='RESERVE'"),
     ],
 )
@@ -153,10 +153,14 @@ def test_key_sources(monkeypatch):
     # A plain str is the key itself, never an environment variable's name.
     monkeypatch.setenv("HOME_NODE", "x")
     assert Tree([Layer(key_or_fn="HOME_NODE")]).local_keys(initial_state(0, 1)) == ("HOME_NODE",)
-    # An int result becomes its decimal string; other results are refused.
+    # Any hashable result (an int, a tuple) is compared by its str(); an unhashable one is refused.
     assert Tree([Layer(key_or_fn=lambda s: s.initial_rank // 4)]).local_keys(initial_state(9, 16)) == ("2",)
-    with pytest.raises(ValueError, match=r"returned \(1,\) \(tuple\) on initial rank 1"):
-        Tree([Layer(key_or_fn=lambda s: (s.initial_rank,))]).local_keys(initial_state(1, 16))
+    assert Tree([Layer(key_or_fn=lambda s: (s.initial_rank,))]).local_keys(initial_state(1, 16)) == ("(1,)",)
+    with pytest.raises(ValueError, match=r"returned \[1\] \(list\) on initial rank 1"):
+        Tree([Layer(key_or_fn=lambda s: [s.initial_rank])]).local_keys(initial_state(1, 16))
+    # A value that is not callable is this rank's own key (computed per rank, as NVRx's users write it).
+    assert Tree([Layer(key_or_fn=9 // 2)]).local_keys(initial_state(9, 16)) == ("4",)
+    assert FilterCountGroupedByKey(key_or_fn=9 // 2, condition=bool).local_keys(initial_state(9, 16)) == ("4",)
 
 
 def test_missing_or_malformed_keys_are_refused():

@@ -60,6 +60,8 @@ _LAZY_MODULES = (
     "exception",
     "state",
     "compose",
+    "tools",
+    "wrap",
 )
 
 if TYPE_CHECKING:
@@ -108,4 +110,6 @@ __all__ = [
     "state",
     "store",
     "terminate",
+    "tools",
+    "wrap",
 ]

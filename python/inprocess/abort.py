@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import datetime
+import importlib
 import logging
+from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 from .engine import pg_tracker
@@ -126,3 +128,53 @@ def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
             log.debug("no NCCL backend in %s: %s", group, e)
             return []
         return [group]
+
+
+def _optional_module(name: str) -> Optional[ModuleType]:
+    """``name`` imported, or None where it cannot be: an optional library absent,
+    or present but failing to import (TransformerEngine without its CUDA libraries)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # any import failure means "not usable here", as in NVRx
+        log.debug("%s not importable: %s: %s", name, type(e).__name__, e)
+        return None
+
+
+class AbortTransformerEngine(Abort):
+    """Releases what TransformerEngine holds across an iteration, as NVRx's hook of the same name:
+    its userbuffers (``transformer_engine.pytorch.module.base.destroy_ub()``, which
+    hold communicators of the failed process groups) and its FP8 global state
+    (``FP8GlobalStateManager.reset()``, which holds a process group).
+
+    Where TransformerEngine cannot be imported it does nothing: a job without
+    it can keep this hook in its ``Compose`` chain, as Megatron-LM does. An
+    exception raised by TransformerEngine itself terminates the rank, as any
+    abort hook's does.
+    """
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        te = _optional_module("transformer_engine.pytorch")
+        if te is not None:
+            te.module.base.destroy_ub()
+        fp8 = _optional_module("transformer_engine.pytorch.fp8")
+        if fp8 is not None:
+            fp8.FP8GlobalStateManager.reset()
+        return state
+
+
+class AbortPersistentCheckpointProcesses(Abort):
+    """Stops the asynchronous checkpoint workers of ``nvidia_resiliency_ext.checkpointing``
+    (its ``abort_nvrx_checkpoint()``: every ``AsyncCallsQueue`` closed with
+    ``abort=True``), so that the next iteration starts fresh ones, as NVRx 0.5+'s
+    hook of the same name.
+
+    That checkpointing package is separate from NVRx's deprecated in-process
+    restart and may stay installed beside this library; where it is not
+    installed there are no such workers, and the hook does nothing.
+    """
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        core = _optional_module("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
+        if core is not None:
+            core.abort_nvrx_checkpoint()
+        return state

@@ -41,6 +41,7 @@ from .engine.storm import StormBrake, StormLimits, Verdict
 from .engine.trigger import IterationOutcome
 from .events import call_start_fields
 from .exception import (
+    BarrierTimeout,
     HealthCheckError,
     InternalError,
     RankDiscarded,
@@ -249,7 +250,7 @@ class CallWrapper:
         rt.protocol.arrive_completed(s.iteration, s.active_world_size)
         timeout = _seconds(self._w.timeouts.completion_timeout)
         if not outcome.done.wait(timeout):
-            late = TimeoutError(f"the other ranks did not complete iteration {s.iteration} within {timeout:g}s")
+            late = BarrierTimeout(f"the other ranks did not complete iteration {s.iteration} within {timeout:g}s")
             raise LeaveJob(late, Leave.COMPLETION_TIMEOUT)
         self._check_outcome(outcome)
         return outcome.event == COMPLETE, value

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, TypeVar
+
+T = TypeVar("T")  # NVRx's module exports this name
 
 _compose_classes: dict[type, type] = {}
 _compose_classes_lock = threading.Lock()
@@ -31,6 +33,11 @@ def nearest_common_base(instances: tuple[Any, ...]) -> type:
     for inst in instances[1:]:
         shared &= set(type(inst).__mro__)
     return next(cls for cls in type(instances[0]).__mro__ if cls in shared)
+
+
+def find_common_ancestor(*instances: Any) -> Optional[type]:
+    """NVRx's name for :func:`nearest_common_base`, taking the instances as arguments; None without any."""
+    return nearest_common_base(instances) if instances else None
 
 
 def _compose_class(base: type) -> Optional[type]:

@@ -11,7 +11,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from . import _native
-from .exception import HealthCheckError, TimeoutError
+from .exception import HealthCheckError, RestartError, TimeoutError
 from .gpu import device, libraries
 from .gpu.bounded import call_within
 from .gpu.errors import CudaContextLost, GpuUnavailable, GpuUnhealthy
@@ -33,8 +33,16 @@ class HealthCheck(abc.ABC):
         raise NotImplementedError
 
 
+class FaultCounterExceeded(RestartError):
+    """Raised by :class:`FaultCounter` on a rank whose function raised more than
+    ``max_rank_faults`` times (as in NVRx). The rank is terminated; its caller
+    gets :class:`~inprocess.exception.HealthCheckError` chained to it, as for
+    any exception of a health check during a restart."""
+
+
 class FaultCounter(HealthCheck):
-    """Terminates a rank whose own function raised more than ``max_rank_faults`` times.
+    """Terminates a rank whose own function raised more than ``max_rank_faults`` times,
+    with :class:`FaultCounterExceeded`.
 
     What counts is an exception this rank's function raised
     (``state.fn_exception``), as in NVRx; a restart that interrupted this rank
@@ -43,7 +51,8 @@ class FaultCounter(HealthCheck):
     restart reached this rank (the restart summary marks it as a consequence,
     but the health check runs before the faults are gathered); and an
     exception of its own that came out only after the restart had reached it
-    (the summary may name it the cause) does not count.
+    (the summary may name it the cause) does not count. ``faults_count`` is
+    the number counted so far (NVRx's attribute).
     """
 
     def __init__(self, max_rank_faults: Optional[int] = None):
@@ -51,14 +60,15 @@ class FaultCounter(HealthCheck):
         if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
             raise ValueError(f"max_rank_faults={max_rank_faults!r}: expected an int >= 0 or None")
         self.max_rank_faults = max_rank_faults
-        self.faults = 0
+        self.faults_count = 0
 
     def __call__(self, state: FrozenState) -> FrozenState:
-        if state.fn_exception is not None:
-            self.faults += 1
-        if self.max_rank_faults is not None and self.faults > self.max_rank_faults:
-            raise HealthCheckError(
-                f"initial rank {state.initial_rank} raised {self.faults} faults, "
+        if state.fn_exception is None:
+            return state
+        self.faults_count += 1
+        if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
+            raise FaultCounterExceeded(
+                f"initial rank {state.initial_rank} raised {self.faults_count} faults, "
                 f"more than max_rank_faults={self.max_rank_faults}"
             )
         return state

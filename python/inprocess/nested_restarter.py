@@ -30,13 +30,23 @@ the lines appear whatever the application's logging configuration.
 
 Combine them with the hooks you already use, e.g.
 ``abort=Compose(AbortTorchDistributed(), NestedRestarterHandlingStarting())``.
+
+As in NVRx, each hook is a dataclass whose fields are its keywords:
+``restarter_state`` and ``restarter_stage`` (the words of its line; each hook
+has NVRx's defaults), ``logger`` (what writes the line: any object with
+``set_connected_rank(rank)`` and ``log_for_restarter(message)``; by default
+one :class:`NestedRestarterLogger` shared by every hook) and ``special_rank``.
+:class:`NestedRestarterHandlingCompleted` takes ``special_rank`` only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import socket
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from .abort import Abort
 from .completion import Completion
@@ -67,33 +77,105 @@ def status_line(state: str, stage: Optional[str] = None) -> str:
     return line if stage is None else f"{line} stage={stage}"
 
 
-class NestedRestarterCallback:
-    """Writes ``status_line(restarter_state, restarter_stage)`` on ``special_rank``."""
+class NestedRestarterLogger(logging.Logger):
+    """The logger of the nested-restarter hooks, as NVRx's class of that name.
 
-    def __init__(self, restarter_state: str, restarter_stage: Optional[str] = None, special_rank: int = 0):
-        if not (type(special_rank) is int and special_rank >= 0):
-            raise ValueError(f"special_rank={special_rank!r}: expected an initial rank (an int >= 0)")
-        self.restarter_state = restarter_state
-        self.restarter_stage = restarter_stage
-        self.special_rank = special_rank
+    A ``logging.Logger`` named ``InprocessRestarter`` (standard error, INFO,
+    not propagated; its lines name the process, host and connected rank) whose
+    :meth:`log_for_restarter` writes one contract line to standard output
+    through the ``InprocessRestarter.Restarter`` logger (:func:`restarter_logger`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("InprocessRestarter", logging.INFO)
+        self.propagate = False
+        self.addHandler(logging.StreamHandler(sys.stderr))
+        self.restarter_logger = restarter_logger()
+        self.rank: Optional[int] = None
+        self.set_connected_rank(None)
+
+    def set_connected_rank(self, rank: Optional[int]) -> None:
+        """The rank this process speaks for, shown in the lines of this logger."""
+        self.rank = rank
+        who = f"{self.name}{os.getpid()}@{socket.gethostname()}:{'<none>' if rank is None else rank}"
+        for handler in self.handlers:
+            handler.setFormatter(logging.Formatter(f"[%(asctime)s] [%(levelname)s] [{who}] %(message)s"))
+
+    def log_for_restarter(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """One contract line for the outer restarter, flushed at once."""
+        self.restarter_logger.debug(message, *args, **kwargs)
+        for handler in self.restarter_logger.handlers:
+            handler.flush()
+
+    def log_restarter_event(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """The same as :meth:`log_for_restarter` (NVRx 0.5+: this logger always writes the contract)."""
+        self.log_for_restarter(message, *args, **kwargs)
+
+
+_shared_logger: Optional[NestedRestarterLogger] = None
+
+
+def shared_logger() -> NestedRestarterLogger:
+    """The logger every hook uses unless given one (NVRx shares one per process too)."""
+    global _shared_logger
+    if _shared_logger is None:
+        _shared_logger = NestedRestarterLogger()
+    return _shared_logger
+
+
+@dataclasses.dataclass(repr=False, eq=False)  # hashable by identity, as hooks are
+class NestedRestarterCallback:
+    """Writes ``status_line(restarter_state, restarter_stage)`` through ``logger`` on ``special_rank``."""
+
+    restarter_state: str
+    restarter_stage: Optional[str] = None
+    logger: Any = dataclasses.field(default_factory=shared_logger)
+    special_rank: int = 0
+
+    def __post_init__(self) -> None:
+        check_callback_fields(self)
 
     def __call__(self, state: FrozenState) -> FrozenState:
         if state.initial_rank == self.special_rank:
-            restarter_logger().info(status_line(self.restarter_state, self.restarter_stage))
-            for handler in restarter_logger().handlers:
-                handler.flush()
+            self.logger.set_connected_rank(state.initial_rank)
+            self.logger.log_for_restarter(status_line(self.restarter_state, self.restarter_stage))
         return state
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(special_rank={self.special_rank})"
+        stage = "" if self.restarter_stage is None else f", restarter_stage={self.restarter_stage!r}"
+        name = type(self).__name__
+        return f"{name}(restarter_state={self.restarter_state!r}{stage}, special_rank={self.special_rank})"
 
 
+def check_callback_fields(hook: NestedRestarterCallback) -> None:
+    """ValueError naming the first field of ``hook`` that cannot write a line."""
+    if not (type(hook.special_rank) is int and hook.special_rank >= 0):
+        raise ValueError(f"special_rank={hook.special_rank!r}: expected an initial rank (an int >= 0)")
+    given: object = hook.restarter_state  # checked at run time: callers are not all type-checked
+    if not isinstance(given, str) or not given:
+        raise ValueError(f"restarter_state={hook.restarter_state!r}: expected a non-empty str")
+    if hook.restarter_stage is not None and not isinstance(hook.restarter_stage, str):
+        raise ValueError(f"restarter_stage={hook.restarter_stage!r}: expected a str or None")
+    for method in ("set_connected_rank", "log_for_restarter"):
+        if not callable(getattr(hook.logger, method, None)):
+            raise ValueError(f"logger={hook.logger!r}: expected an object with {method}(), "
+                             f"e.g. a NestedRestarterLogger")
+
+
+@dataclasses.dataclass(repr=False, eq=False)  # hashable by identity, as hooks are
 class NestedRestarterHandlingCompleted(Initialize, NestedRestarterCallback):
     """``initialize`` hook: ``state=initialize`` at the first iteration, then
     ``state=handling stage=completed`` at each iteration after a restart."""
 
+    restarter_state: str = "initialize"
+    restarter_stage: Optional[str] = None
+
     def __init__(self, special_rank: int = 0):
-        NestedRestarterCallback.__init__(self, "initialize", None, special_rank)
+        self.restarter_state = "initialize"
+        self.restarter_stage = None
+        self.logger = shared_logger()
+        self.special_rank = special_rank
+        check_callback_fields(self)
 
     def __call__(self, state: FrozenState) -> FrozenState:
         state = NestedRestarterCallback.__call__(self, state)
@@ -101,31 +183,32 @@ class NestedRestarterHandlingCompleted(Initialize, NestedRestarterCallback):
         return state
 
 
+@dataclasses.dataclass(repr=False, eq=False)  # hashable by identity, as hooks are
 class NestedRestarterHandlingStarting(Abort, NestedRestarterCallback):
     """``abort`` hook: ``state=handling stage=starting`` when a restart begins."""
 
-    def __init__(self, special_rank: int = 0):
-        NestedRestarterCallback.__init__(self, "handling", "starting", special_rank)
+    restarter_state: str = "handling"
+    restarter_stage: Optional[str] = "starting"
 
     def __call__(self, state: FrozenState) -> FrozenState:
         return NestedRestarterCallback.__call__(self, state)
 
 
+@dataclasses.dataclass(repr=False, eq=False)  # hashable by identity, as hooks are
 class NestedRestarterFinalized(Completion, NestedRestarterCallback):
     """``completion`` hook: ``state=finalized`` once the call completed."""
 
-    def __init__(self, special_rank: int = 0):
-        NestedRestarterCallback.__init__(self, "finalized", None, special_rank)
+    restarter_state: str = "finalized"
 
     def __call__(self, state: FrozenState) -> FrozenState:
         return NestedRestarterCallback.__call__(self, state)
 
 
+@dataclasses.dataclass(repr=False, eq=False)  # hashable by identity, as hooks are
 class NestedRestarterAborted(Terminate, NestedRestarterCallback):
     """``terminate`` hook: ``state=aborted`` when this rank leaves the job."""
 
-    def __init__(self, special_rank: int = 0):
-        NestedRestarterCallback.__init__(self, "aborted", None, special_rank)
+    restarter_state: str = "aborted"
 
     def __call__(self, state: FrozenState) -> FrozenState:
         return NestedRestarterCallback.__call__(self, state)

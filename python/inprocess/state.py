@@ -108,6 +108,17 @@ class State:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+def freeze_dataclass(cls: type) -> type:
+    """A frozen dataclass named ``Frozen<Name>`` with the fields (names, types, defaults) of dataclass ``cls``,
+    as NVRx builds its ``FrozenState`` from ``State``. (``FrozenState`` here is written out, with the
+    same fields, so that type checkers see it.)"""
+    given: object = cls  # checked at run time: callers are not all type-checked
+    if not (isinstance(given, type) and dataclasses.is_dataclass(given)):
+        raise ValueError(f"cls={cls!r}: expected a dataclass type")
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(cls)]
+    return dataclasses.make_dataclass(f"Frozen{cls.__name__}", fields, frozen=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class FrozenState:
     """Read-only snapshot of :class:`State` (the same fields and defaults), the argument of every hook."""

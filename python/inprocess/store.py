@@ -30,6 +30,9 @@ from .control.host_names import numeric_host_names
 from .control.incarnation import job_incarnation
 from .control.tcpstore_client import StoreError, StoreHandshakeClosedError, TCPStoreClient
 from .engine import sockets
+from .exception import BarrierError as BarrierError  # NVRx's names for a barrier's failures
+from .exception import BarrierOverflow as BarrierOverflow
+from .exception import BarrierTimeout as BarrierTimeout
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig, rank_log_format
 from .processes.forked import fork_helper

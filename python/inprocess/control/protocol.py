@@ -77,7 +77,7 @@ import json
 import logging
 from typing import Any, Callable, Iterable, Optional
 
-from ..exception import InternalError, TimeoutError
+from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
 from .counting_out import count_out
 from .incarnation import call_prefix
 from .leadership import Terms, decide_barrier, parse_lost_mark
@@ -322,7 +322,7 @@ class RestartProtocol:
         value = self.counted.add(self.key(iteration, "arrivals"), amount)
         healthy, dead = value & COUNT_MASK, value >> 32
         if healthy + dead > expected:
-            raise InternalError(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
+            raise BarrierOverflow(f"barrier {iteration}: {healthy + dead} arrivals, expected {expected}")
         return healthy, dead, healthy + dead == expected
 
     def _set_ready(self, iteration: int) -> None:
@@ -412,7 +412,7 @@ class RestartProtocol:
                 raise
             described = self.describe_arrivals(iteration, expected)
             self.give_up(iteration)
-            raise TimeoutError(f"{described} ({e})") from None
+            raise BarrierTimeout(f"{described} ({e})") from None
 
     def give_up(self, iteration: int) -> None:
         """This healthy arrival stops waiting for barrier ``iteration`` (it timed out):

@@ -27,7 +27,8 @@ runs a per-rank hook once per rank) or the logic needs the whole table.
 The package, one concept per module: :mod:`.base` (the hooks and their
 contexts), :mod:`.job` (job-wide steps and their per-rank view),
 :mod:`.renumbering`, :mod:`.activation`, :mod:`.keys`, :mod:`.layers`,
-:mod:`.tree` with :mod:`.tree_decision`, :mod:`.filter_count`,
+:mod:`.tree` with :mod:`.tree_decision`, :mod:`.nodes` (NVRx's tree
+nodes, for code that walks a tree itself), :mod:`.filter_count`,
 :mod:`.composition` (the rules for composing them), :mod:`.agreed` (the
 agreed inputs), :mod:`.consistency` (the checks of every decision),
 :mod:`.decision` (the leader's decision and each rank's check),
@@ -39,7 +40,7 @@ from ..compose import Compose
 from ..exception import RankDiscarded
 from .activation import ActivateAllRanks, ActiveWorldSizeDivisibleBy, MaxActiveWorldSize
 from .agreed import initial_membership
-from .base import JobAssignmentCtx, RankAssignment, RankAssignmentCtx, Topology, key_gathering_leaves
+from .base import JobAssignmentCtx, RankAssignment, RankAssignmentCtx, RankFilter, Topology, key_gathering_leaves
 from .composition import check_composition, check_rank_assignment, uses_per_rank_hooks
 from .consistency import InconsistentAssignment
 from .decision import RankAssignmentMismatch, decide, run_job_wide
@@ -47,6 +48,7 @@ from .filter_count import FilterCountGroupedByKey
 from .job import JobAssignment
 from .keys import EnvKey, HostnameKey
 from .layers import Layer, LayerFlag
+from .nodes import Node, bounded_activate, propagate_terminations
 from .renumbering import FillGaps, ShiftRanks
 from .runner import AssignmentRunner
 from .tree import Tree
@@ -54,6 +56,7 @@ from .tree import Tree
 __all__ = [
     "RankAssignment",
     "RankAssignmentCtx",
+    "RankFilter",
     "JobAssignment",
     "JobAssignmentCtx",
     "Topology",
@@ -70,6 +73,9 @@ __all__ = [
     "Layer",
     "LayerFlag",
     "Tree",
+    "Node",
+    "bounded_activate",
+    "propagate_terminations",
     "EnvKey",
     "HostnameKey",
     "AssignmentRunner",

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED
 from ..state import Mode, State
-from .base import JobAssignmentCtx, RankAssignmentCtx, is_int, replace_state
+from .base import JobAssignmentCtx, RankAssignmentCtx, RankFilter, is_int, replace_state
 from .job import JobAssignment
 
 
@@ -49,7 +49,7 @@ def _bounded(previous: Optional[int], world_size: int) -> int:
     return world_size if previous is None else min(previous, world_size)
 
 
-class ActivateAllRanks(JobAssignment):
+class ActivateAllRanks(JobAssignment, RankFilter):
     """Every rank still in the job becomes active, with ``active_rank = rank``."""
 
     def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
@@ -60,7 +60,7 @@ class ActivateAllRanks(JobAssignment):
         return ctx
 
 
-class MaxActiveWorldSize(JobAssignment):
+class MaxActiveWorldSize(JobAssignment, RankFilter):
     """At most ``max_active_world_size`` active ranks (no limit if None).
 
     The active world size is the previous one (the world size before the
@@ -88,7 +88,7 @@ class MaxActiveWorldSize(JobAssignment):
         return ctx
 
 
-class ActiveWorldSizeDivisibleBy(JobAssignment):
+class ActiveWorldSizeDivisibleBy(JobAssignment, RankFilter):
     """The active world size rounded down to a multiple of ``divisor``.
 
     It starts from the previous active world size (the world size before the

@@ -48,6 +48,17 @@ class RankAssignment(abc.ABC):
         raise NotImplementedError
 
 
+class RankFilter(RankAssignment):
+    """Base class of the assignments that choose who is active and who is a spare (as in NVRx),
+    without renumbering: in ``Compose`` they come after (run before, being listed first) the
+    steps that change ranks or the world size. ``ActivateAllRanks``, ``MaxActiveWorldSize``
+    and ``ActiveWorldSizeDivisibleBy`` are ones; a subclass of your own is a per-rank hook."""
+
+    @abc.abstractmethod
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        raise NotImplementedError
+
+
 class Topology:
     """Per-rank keys gathered at the initial barrier, one column per owner.
 

@@ -17,7 +17,9 @@ from .store_gather import StoreNamespace, exchange
 class FilterCountGroupedByKey(JobAssignment):
     """Terminate every rank of a group whose count of remaining ranks fails ``condition``.
 
-    Ranks are grouped by ``key_or_fn`` (:mod:`inprocess.rank_assignment.keys`);
+    Ranks are grouped by ``key_or_fn``: this rank's key (any hashable value,
+    such as ``state.rank // 8`` computed on each rank) or a callable
+    (state) -> key (:mod:`inprocess.rank_assignment.keys`);
     ``condition(count) -> bool`` is evaluated once per group that still has
     ranks not leaving, with their count, groups in order of their lowest
     initial rank. E.g. drop a whole node as soon as one of its 8 ranks is

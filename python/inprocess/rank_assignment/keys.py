@@ -2,14 +2,23 @@
 
 ``key_or_fn`` is, as there, either
 
-* a ``str``: the key itself, the same on every rank (``"job"`` for the layer
-  that spans the whole job). It is *not* the name of an environment
-  variable; use :class:`EnvKey` for that;
-* a callable ``fn(state) -> str`` of the rank's :class:`~inprocess.FrozenState`,
-  e.g. :class:`EnvKey` (an environment variable such as ``SLURM_NODEID``),
-  :class:`HostnameKey` (the host name), ``lambda state: socket.gethostname()``
-  or ``lambda state: str(state.initial_rank // 8)``. An ``int`` result is
-  turned into its decimal string; anything else is refused.
+* **this rank's key**, any hashable value other than a callable, computed on
+  each rank before the ``Wrapper`` is built: ``socket.gethostname()``,
+  ``int(os.environ["SLURM_NODEID"])``, ``state.rank // 8``, or a constant such
+  as ``"job"`` for the layer that spans the whole job. Ranks whose keys are
+  equal form one group; nothing requires the key to be the same on every rank.
+  A ``str`` is the key itself, *not* the name of an environment variable (use
+  :class:`EnvKey` for that);
+* or a callable ``fn(state)`` of the rank's :class:`~inprocess.FrozenState`
+  returning such a key, e.g. :class:`EnvKey` (an environment variable such as
+  ``SLURM_NODEID``), :class:`HostnameKey` (the host name),
+  ``lambda state: socket.gethostname()`` or ``lambda state: state.rank // 8``.
+
+Keys travel between ranks as text (no pickle, design principle 5): a key
+that is not a ``str`` is compared by its ``str()``, as NVRx's
+``FilterCountGroupedByKey`` does with the store key it builds from it. So
+``1`` and ``"1"`` are one group, and a value whose ``str()`` differs between
+processes (an object shown by its address) cannot group ranks.
 
 Each rank evaluates its keys once, at the initial barrier, with its state of
 that moment (``rank == initial_rank``, mode ``INITIALIZED``); the leader reads
@@ -24,12 +33,12 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Hashable, Sequence, Union
 
 from ..state import FrozenState, State
 from .base import JobAssignmentCtx
 
-KeyOrFn = Union[str, Callable[[Any], Any]]  # fn(state) -> str
+KeyOrFn = Union[Hashable, Callable[[Any], Hashable]]  # this rank's key, or fn(state) -> key
 
 
 def _is_str(value: object) -> bool:
@@ -84,29 +93,47 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     return True
 
 
+def _is_hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+_EXPECTED_KEY = (
+    "expected this rank's grouping key (any hashable value: ranks with equal keys form one group, "
+    "e.g. socket.gethostname() or state.rank // 8) or a callable (state) -> key, "
+    "e.g. EnvKey('SLURM_NODEID') or lambda state: socket.gethostname()"
+)
+
+
 def check_key_or_fn(key_or_fn: Any, name: str) -> None:
-    if isinstance(key_or_fn, str):
+    if callable(key_or_fn):
+        if not _takes_one_argument(key_or_fn):
+            raise ValueError(f"{name}={key_or_fn!r} ({type(key_or_fn).__name__}): a callable that cannot be called "
+                             f"with the rank's state alone; {_EXPECTED_KEY}")
         return
-    if not callable(key_or_fn) or not _takes_one_argument(key_or_fn):
-        raise ValueError(
-            f"{name}={key_or_fn!r} ({type(key_or_fn).__name__}): expected a str (the same key on every rank) "
-            f"or a callable (state) -> str of the rank's state, e.g. EnvKey('SLURM_NODEID') or "
-            f"lambda state: socket.gethostname()"
-        )
+    if key_or_fn is None:  # what a forgotten value looks like: never taken for a key
+        raise ValueError(f"{name}=None: {_EXPECTED_KEY}")
+    if not _is_hashable(key_or_fn):
+        raise ValueError(f"{name}={key_or_fn!r} ({type(key_or_fn).__name__}) is not hashable; {_EXPECTED_KEY}")
+
+
+def key_text(value: object) -> str:
+    """How a key is compared and sent: a str as it is, any other value by its ``str()``."""
+    return value if isinstance(value, str) else str(value)
 
 
 def evaluate_key(key_or_fn: KeyOrFn, state: Union[State, FrozenState]) -> str:
-    if isinstance(key_or_fn, str):
-        return key_or_fn
-    value = key_or_fn(state)
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    raise ValueError(
-        f"key_or_fn {key_or_fn!r} returned {value!r} ({type(value).__name__}) on initial rank "
-        f"{state.initial_rank}: expected a str (or an int)"
-    )
+    """This rank's key, as text (see the module docstring)."""
+    value = key_or_fn(state) if callable(key_or_fn) else key_or_fn
+    if not _is_hashable(value):
+        raise ValueError(
+            f"key_or_fn {key_or_fn!r} returned {value!r} ({type(value).__name__}) on initial rank "
+            f"{state.initial_rank}: expected a hashable grouping key (a str, an int, a tuple ...)"
+        )
+    return key_text(value)
 
 
 def check_keys(keys: Sequence[Any], width: int, owner: Any, world_size: int) -> None:

@@ -30,7 +30,8 @@ class Layer:
             spare) ranks is terminated whole.
         max_ranks: at most this many active ranks per domain of this layer;
             the rest are spares. ``None``: no bound.
-        key_or_fn: the grouping key: a str, or a callable (state) -> str
+        key_or_fn: this rank's grouping key (any hashable value, e.g.
+            ``socket.gethostname()``), or a callable (state) -> key
             (:mod:`inprocess.rank_assignment.keys`).
         flag: ``LayerFlag.RESERVE``, ``LayerFlag.BACKFILL``, both (``|``) or None.
     """

@@ -19,6 +19,7 @@ import json
 from typing import Any, Iterable, Optional
 
 from ..control.incarnation import job_incarnation
+from ..exception import BarrierTimeout
 
 _PREFIX = "inprocess/rank_assignment"
 
@@ -60,9 +61,17 @@ def exchange(
     store.set(f"{namespace}/{me}", json.dumps(value, separators=(",", ":")))
     order = sorted(set(members))
     keys = [f"{namespace}/{r}" for r in order]
-    if timeout is None:
-        store.wait(keys)
-    else:
-        store.wait(keys, timeout)
+    try:
+        if timeout is None:
+            store.wait(keys)
+        else:
+            store.wait(keys, timeout)
+    except Exception as e:
+        # NVRx's per-rank assignments meet at a store barrier, which raises BarrierTimeout: so does this.
+        if type(e).__name__ != "DistStoreError":
+            raise
+        missing = [r for r, k in zip(order, keys, strict=True) if not store.check([k])]
+        raise BarrierTimeout(f"{namespace}: ranks {missing} of {order} did not publish their value "
+                             f"within {timeout or 'the store timeout'} ({e})") from e
     raw = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     return {r: json.loads(bytes(v).decode()) for r, v in zip(order, raw, strict=True)}
