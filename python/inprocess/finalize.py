@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-import os
 import threading
 from typing import Any, Callable, Optional
 
@@ -33,7 +32,7 @@ class ThreadedFinalize(Finalize):
     As in NVRx: ``fn`` gets the given arguments, not the state (Megatron-LM
     passes a no-argument ``destroy_state`` and ``torch.cuda.empty_cache``);
     where torch sees a CUDA device, the thread first makes this rank's device
-    current (``LOCAL_RANK``, else the calling thread's current device), so
+    current (``LOCAL_RANK`` modulo the devices torch sees, as every GPU check), so
     that ``fn`` works on the rank's own GPU. Unlike NVRx it also runs on a
     machine without CUDA (there NVRx refuses with ``RuntimeError``).
 
@@ -91,7 +90,8 @@ class ThreadedFinalize(Finalize):
 
 
 def _rank_cuda_device() -> Optional[int]:
-    """This rank's CUDA device (``LOCAL_RANK``, else torch's current one); None without CUDA.
+    """This rank's CUDA device (the rule of :mod:`inprocess.gpu.device`:
+    ``LOCAL_RANK`` modulo the devices torch sees); None without CUDA.
 
     Only asks torch where the rank initialised CUDA already: a finalize hook
     must not create a CUDA context (seconds, and memory) for a rank that
@@ -103,10 +103,10 @@ def _rank_cuda_device() -> Optional[int]:
         return None
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
         return None
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None:
-        try:
-            return int(local_rank)
-        except ValueError:
-            log.debug("LOCAL_RANK=%r is not an int: the finalize thread keeps torch's current device", local_rank)
-    return int(torch.cuda.current_device())
+    from .gpu import device
+
+    try:
+        return device.cuda_ordinal(visible=device.torch_visible_devices())
+    except ValueError as e:
+        log.debug("%s: the finalize thread keeps torch's current device", e)
+        return int(torch.cuda.current_device())
