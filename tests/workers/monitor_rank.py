@@ -41,13 +41,19 @@ action = plan["action"]
 if action == "early":
     os._exit(3)
 # Test-harness readiness only (not part of the library): the monitor writes
-# its pidfile once it watches this process.
+# its pidfile once it watches this process. Until then this process stamps
+# progress, so that a short hard timeout counts from the moment the monitor
+# watches, not from the page's creation: starting the monitor takes longer
+# than 0.5 s on a loaded machine, and it would kill this process before
+# the test hears "ready".
 deadline = time.monotonic() + 20
 while not os.path.exists(plan["pidfile"]):
     if monitor.poll() is not None or time.monotonic() > deadline:
         print(f"monitor failed rc={monitor.poll()}", flush=True)
         sys.exit(7)
+    page.stamp_auto()
     time.sleep(0.005)
+page.stamp_auto()
 print(f"ready {monitor.pid}", flush=True)
 
 if action in ("wait", "hang"):
