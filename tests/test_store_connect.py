@@ -56,7 +56,7 @@ def _store(monkeypatch: pytest.MonkeyPatch, addr: str, port: int, rank: int, tim
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_unresolvable_master_addr_is_named_at_once(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"'no-such-host\.invalid' \(MASTER_ADDR\) does not resolve"):
+    with pytest.raises(ValueError, match=r"'no-such-host\.invalid' \(store_kwargs host_name\) does not resolve"):
         _store(monkeypatch, "no-such-host.invalid", free_port(), rank, 30)
     assert time.monotonic() - start < 10
 
@@ -77,7 +77,8 @@ def test_a_listener_that_is_not_a_store_is_named(monkeypatch: pytest.MonkeyPatch
         silent.listen()
         port = silent.getsockname()[1]
         start = time.monotonic()
-        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} is not a torch TCPStore server"):
+        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} \(store_kwargs host_name, store_kwargs port\) "
+                                                  "is not a torch TCPStore server"):
             _store(monkeypatch, "127.0.0.1", port, 1, 30)
         assert time.monotonic() - start < 5
 
@@ -162,7 +163,8 @@ def test_a_listener_that_resets_every_handshake_is_named_at_the_timeout() -> Non
     try:
         start = time.monotonic()
         # Reset in the handshake or, at the last attempt, in the connect itself: either is named.
-        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} is not a torch TCPStore server: .*("
+        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} \(MASTER_ADDR, MASTER_PORT\) is not a torch "
+                                                  r"TCPStore server: .*("
                                                   r"closed the connection in the handshake|Connection reset by peer)"):
             _reach_store(_resolve("127.0.0.1", port), "127.0.0.1", port, timeout_s=1.0)
         assert time.monotonic() - start < 3
@@ -176,3 +178,94 @@ def torch_store(port: int) -> object:
 
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=10))
+
+
+# -- Which store: torchrun's agent store, or the one the keywords name -------------------------------
+
+
+def _under_torchrun(monkeypatch: pytest.MonkeyPatch, master_port: int, rank: int = 0) -> None:
+    """The environment torchrun gives its workers with its shared agent store (torch/distributed/elastic/
+    agent/server/local_elastic_agent.py sets TORCHELASTIC_USE_AGENT_STORE; MASTER_PORT is the agent's port)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master_port))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+@pytest.mark.parametrize(
+    ("host_name", "port_offset", "agent"),
+    [(None, None, True), (None, 0, True), ("127.0.0.1", 0, True), ("localhost", 0, True),
+     (None, 1, False), ("127.0.0.1", 1, False), ("127.0.0.2", 0, False)],
+)
+def test_the_agent_store_is_used_only_where_the_keywords_point_at_it(
+    monkeypatch: pytest.MonkeyPatch, host_name: str | None, port_offset: int | None, agent: bool
+) -> None:
+    _under_torchrun(monkeypatch, 29400)
+    port = None if port_offset is None else 29400 + port_offset
+    assert inprocess.store.uses_agent_store(host_name, port) is agent
+
+
+@pytest.mark.parametrize("value", [None, "False", "0"])
+def test_without_torchruns_shared_store_no_agent_store_is_assumed(monkeypatch: pytest.MonkeyPatch,
+                                                                  value: str | None) -> None:
+    _under_torchrun(monkeypatch, 29400)
+    if value is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", value)
+    assert inprocess.store.uses_agent_store(None, None) is False
+
+
+def test_under_torchrun_an_explicit_port_is_served_by_rank_0_and_reached_by_the_others(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nothing listens at MASTER_PORT: had either rank taken the agent's store, it would wait there and fail.
+    agent_port, port = free_port(), free_port()
+    _under_torchrun(monkeypatch, agent_port, rank=0)
+    caplog.set_level("DEBUG", logger="inprocess")
+    timeout = datetime.timedelta(seconds=5)
+    host = inprocess.store.TCPStore(port=port, timeout=timeout)
+    try:
+        assert host.host_process is not None and host.is_host and not host.uses_agent_store
+        assert host.port == port
+        monkeypatch.setenv("RANK", "1")
+        client = inprocess.store.TCPStore(port=port, timeout=timeout)
+        assert client.host_process is None and not client.is_host and client.port == port
+        client.set("seen", "by rank 1")
+        assert host.get("seen") == b"by rank 1"
+        del client
+    finally:
+        host.host_process.stop()
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("store:")]
+    assert chosen == [f"store: served by initial rank 0 at 127.0.0.1:{port} (MASTER_ADDR, store_kwargs port), "
+                      f"not torchrun's agent store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{agent_port}"] * 2, chosen
+
+
+@pytest.mark.parametrize("explicit_port", [False, True], ids=["no_port", "master_port"])
+def test_under_torchrun_the_agent_store_is_joined_as_a_client_by_every_rank(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, explicit_port: bool
+) -> None:
+    agent = torch_store(free_port())  # stands for the server in torchrun's agent
+    agent_port = agent.port  # type: ignore[attr-defined]
+    _under_torchrun(monkeypatch, agent_port, rank=0)
+    caplog.set_level("DEBUG", logger="inprocess")
+    store = inprocess.store.TCPStore(port=agent_port if explicit_port else None,
+                                     timeout=datetime.timedelta(seconds=5))
+    assert store.host_process is None and not store.is_host and store.uses_agent_store
+    store.set("k", "v")
+    assert agent.get("k") == b"v"  # type: ignore[attr-defined]
+    origin = "MASTER_ADDR, store_kwargs port" if explicit_port else "MASTER_ADDR, MASTER_PORT"
+    assert f"store: torchrun's agent store at 127.0.0.1:{agent_port} (torchrun's agent store; {origin}), every " \
+           "rank its client" in caplog.text
+
+
+def test_an_unreachable_explicit_port_is_named_as_the_store_kwargs_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The message names the port that was tried and where it came from, not MASTER_PORT.
+    agent_port, port = free_port(), free_port()
+    _under_torchrun(monkeypatch, agent_port, rank=1)
+    with pytest.raises(TimeoutError) as raised:
+        inprocess.store.TCPStore(port=port, timeout=datetime.timedelta(seconds=1))
+    assert str(raised.value).startswith(f"nothing listens at 127.0.0.1:{port} (MASTER_ADDR, store_kwargs port) "
+                                        "after 1s"), raised.value
+    assert "MASTER_PORT" not in str(raised.value)

@@ -75,20 +75,32 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
     """torchrun --standalone with NPROC workers; every process it leads is gone when this returns."""
     out = tmp_path / "out"
     out.mkdir()
-    marker = f"INPROCESS_TEST_OUT={out}"
-    job_env = dict(os.environ)
-    job_env.update({
+    job_env = {
         "INPROCESS_TEST_OUT": str(out),
         "INPROCESS_TEST_PLAN": json.dumps(plan),
         "INPROCESS_TEST_LOG": "WARNING",
-        "LOGLEVEL": "INFO",  # torchrun's own log: which worker failed, with which exit status
-    })
+    }
     if not shared_store:
         # torchrun's workers then get a store of their own (rank 0 serves it), not the agent's.
         job_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     job_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-           f"--max-restarts={max_restarts}", str(WORKER)]
+    returncode, output, left = torchrun(tmp_path, [str(WORKER)], env=job_env, max_restarts=max_restarts,
+                                        timeout=timeout)
+    return TorchrunJob(out, returncode, output, left)
+
+
+def torchrun(tmp_path: pathlib.Path, script_and_args: list[str], *, env: Optional[dict[str, str]] = None,
+             max_restarts: int = 0, nproc: int = NPROC, timeout: float = 120.0) -> tuple[int, str, dict[int, str]]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=NPROC script args...`` in ``tmp_path``:
+    its exit status, its output (torchrun's and the workers'), and what outlived it (then killed). The
+    whole process tree carries a marker in its environment, so that nothing of it is left running."""
+    marker = f"INPROCESS_TORCHRUN_TEST={tmp_path}\0"  # the NUL ends the entry: no other path it prefixes
+    job_env = dict(os.environ)
+    job_env["LOGLEVEL"] = "INFO"  # torchrun's own log: which worker failed, with which exit status
+    job_env.update(env or {})
+    job_env["INPROCESS_TORCHRUN_TEST"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", *script_and_args]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -98,13 +110,14 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            reap_marked(marker, grace=0)
             pytest.fail(f"torchrun did not finish within {timeout}s:\n{log_path.read_text()[-8000:]}")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             left = reap_marked(marker)
-    return TorchrunJob(out, returncode, log_path.read_text(), left)
+    return returncode, log_path.read_text(), left
 
 
 def reap_marked(marker: str, grace: float = 20.0) -> dict[int, str]:

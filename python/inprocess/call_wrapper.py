@@ -33,7 +33,14 @@ from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine.interrupt import interrupted_by
-from .engine.leave import Leave, LeaveJob, count_out_before_joining, drop_frames, exit_if_abort_abandoned
+from .engine.leave import (
+    Leave,
+    LeaveJob,
+    count_out_before_joining,
+    drop_frames,
+    exit_if_abort_abandoned,
+    release_frames,
+)
 from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
@@ -163,23 +170,30 @@ class CallWrapper:
         gpu_settings.warn_once()  # once per process, and only where NCCL can run on a GPU
         call_index = self._enter()
         try:
-            self._rt = RankRuntime.open(
-                self._w, self.state, call_index,
-                on_soft_timeout=self._on_soft_timeout,
-                run_abort=self._run_abort_hook,
-                leave_unreleasable=self._leave_unreleasable,
-            )
             try:
-                return self._run(fn, args, kwargs)
+                self._rt = RankRuntime.open(
+                    self._w, self.state, call_index,
+                    on_soft_timeout=self._on_soft_timeout,
+                    run_abort=self._run_abort_hook,
+                    leave_unreleasable=self._leave_unreleasable,
+                )
+                try:
+                    return self._run(fn, args, kwargs)
+                finally:
+                    self._rt.close()
             finally:
-                self._rt.close()
-        finally:
-            faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
-            self._exit()
+                faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
+                self._exit()
+        except BaseException as e:
+            # The caller may keep the exception (to log it, to re-raise it later): its frames must
+            # not keep the closed runtime, its store clients or the failed iteration's groups alive.
+            release_frames(e)
+            raise
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = self._runtime
         self._emit("call_start", **call_start_fields(self.state.initial_world_size))
+        leaving: LeaveJob
         try:
             self._set_phase(_Phase.INITIAL_BARRIER)
             self._join()
@@ -196,12 +210,15 @@ class CallWrapper:
                 if completed:
                     return self._complete(value)
                 self._restart(outcome)
-        except LeaveJob as leaving:
-            self._leave_job(leaving)
+        except LeaveJob as e:
+            leaving = e
         except BaseException as e:
             # Outside the function (a KeyboardInterrupt while a spare waits or at a barrier):
             # the rule for "anywhere", this rank leaves, counted out so that nobody waits for it.
-            self._leave_job(LeaveJob(e, Leave.TERMINATED))
+            leaving = LeaveJob(e, Leave.TERMINATED)
+        # Left outside the except clause: raised there, the exception would get the engine's
+        # LeaveJob as its __context__ ("During handling of the above exception ...").
+        self._leave_job(leaving)
 
     def _join(self) -> None:
         s = self.state
@@ -489,7 +506,8 @@ class CallWrapper:
         s = self.state
         p = self._runtime.protocol
         exc = leaving.exc
-        drop_frames(exc)
+        # Its frames let go of the failed iteration (groups, models) now; its traceback stays for the caller.
+        release_frames(exc)
         self._runtime.hang_guard.off()  # its way out has the engine's own timeouts
         # Before the fault is reported: its restart is for the others, this rank must not abort itself.
         self._runtime.trigger.stop(timeout=0)

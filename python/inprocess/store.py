@@ -9,16 +9,21 @@ starts it in a process of its own (:mod:`inprocess.processes.store_host`) and co
 to it like every other rank, so that a SIGKILL of that rank's training process
 leaves the server, and the job, running. The store host exits once the last
 rank left the wrapped call. Under torchrun with its shared agent store
-(``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the server
-in the torchrun agent, which outlives the training processes already: no
-store host is started. ``host_process=False`` keeps the server inside the
-host rank's process (it then dies with it).
+(``TORCHELASTIC_USE_AGENT_STORE=True``) the store at MASTER_ADDR:MASTER_PORT
+is the server in the torchrun agent, which outlives the training processes
+already: when that is the store the keywords name (no ``port``, or
+MASTER_PORT), every rank is its client and no store host is started. An
+explicit ``port`` (or ``host_name``) elsewhere is the user's own store, as in
+nvidia_resiliency_ext's examples (``store_kwargs={'port': MASTER_PORT + 1}``):
+the host rank serves it there. ``host_process=False`` keeps the server inside
+the host rank's process (it then dies with it).
 """
 
 from __future__ import annotations
 
 import datetime
 import inspect
+import logging
 import os
 import socket
 import time
@@ -36,6 +41,8 @@ from .exception import BarrierTimeout as BarrierTimeout
 from .processes import store_host
 from .processes.contract import HelperProcess, StoreHostConfig, rank_log_format
 from .processes.forked import fork_helper
+
+log = logging.getLogger("inprocess")
 
 # How long a rank gives what listens at MASTER_ADDR:MASTER_PORT to answer a store's handshake.
 PROBE_S = 10.0
@@ -108,6 +115,9 @@ class TCPStore(dist.TCPStore, StoreMixin):
         host_idle_timeout_s: float = 60.0,
     ):
         numeric_host_names()  # before the first connection: no reverse DNS lookup in torch (control/host_names.py)
+        host_source = "MASTER_ADDR" if host_name is None else "store_kwargs host_name"
+        use_agent_store = uses_agent_store(host_name, port)
+        origin = _address_origin(host_name, port, use_agent_store)
         if host_name is None:
             host_name = os.environ.get("MASTER_ADDR")
             if host_name is None:
@@ -117,13 +127,22 @@ class TCPStore(dist.TCPStore, StoreMixin):
         if world_size is None:
             world_size = _env_int("WORLD_SIZE")
         rank = _env_int("RANK")
-        address = _resolve(host_name, port)  # before anything starts: a bad MASTER_ADDR fails now, by name
+        address = _resolve(host_name, port, host_source)  # before anything starts: a bad address fails now, by name
         self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
-        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        self.is_host = rank == self.tcp_store_host_rank and not agent_hosts
+        self.uses_agent_store = use_agent_store
+        if use_agent_store:
+            log.debug("store: torchrun's agent store at %s:%d (%s), every rank its client", host_name, port, origin)
+        elif _under_agent_store():
+            log.debug("store: served by initial rank %d at %s:%d (%s), not torchrun's agent store at "
+                      "MASTER_ADDR:MASTER_PORT = %s:%s", self.tcp_store_host_rank, host_name, port, origin,
+                      os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        else:
+            log.debug("store: served by initial rank %d at %s:%d (%s)", self.tcp_store_host_rank, host_name, port,
+                      origin)
+        self.is_host = rank == self.tcp_store_host_rank and not use_agent_store
         self.host_process: Optional[HelperProcess] = None
         # On every rank: the server runs in a store host, which exits once the call is done.
-        self.served_by_store_host = bool(host_process) and not agent_hosts
+        self.served_by_store_host = bool(host_process) and not use_agent_store
         serve_here = self.is_host
         if self.is_host and host_process:
             config = StoreHostConfig(port=port, world_size=world_size, idle_timeout_s=host_idle_timeout_s,
@@ -135,7 +154,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
                                             name="inprocess-store")
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         if not self.is_host:
-            _reach_store(address, host_name, port, timeout.total_seconds())
+            _reach_store(address, host_name, port, timeout.total_seconds(), origin)
         try:
             super().__init__(
                 host_name,
@@ -158,24 +177,66 @@ class TCPStore(dist.TCPStore, StoreMixin):
         return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
 
 
-def _resolve(host: str, port: int) -> tuple[Any, ...]:
+def _under_agent_store() -> bool:
+    """torchrun told its workers that MASTER_ADDR:MASTER_PORT is its agent's store, shared with them."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def uses_agent_store(host_name: Optional[str], port: Optional[int]) -> bool:
+    """The store that ``host_name``/``port`` name (None: from MASTER_ADDR/MASTER_PORT) is torchrun's agent
+    store, which every rank joins as a client; else the host rank serves it.
+
+    Only under torchrun's shared agent store (``TORCHELASTIC_USE_AGENT_STORE=True``), and only where the
+    keywords point at it: no port or MASTER_PORT, and no host or one that resolves to MASTER_ADDR's
+    address. Any other port is the user's choice, honoured as nvidia_resiliency_ext honours it (its
+    examples put the Wrapper's store on MASTER_PORT + 1, next to torchrun's).
+    """
+    if not _under_agent_store():
+        return False
+    master_port = os.environ.get("MASTER_PORT")
+    if port is not None and str(port) != master_port:
+        return False
+    master_addr = os.environ.get("MASTER_ADDR")
+    if host_name is None or host_name == master_addr:
+        return True
+    return master_addr is not None and bool(_addresses(host_name) & _addresses(master_addr))
+
+
+def _addresses(host: str) -> set[str]:
+    """The IP addresses ``host`` resolves to (empty when it does not resolve)."""
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _address_origin(host_name: Optional[str], port: Optional[int], agent_store: bool) -> str:
+    """Where the store's address comes from, for the errors and the log: the keywords or the environment."""
+    host = "MASTER_ADDR" if host_name is None else "store_kwargs host_name"
+    where = f"{host}, {'MASTER_PORT' if port is None else 'store_kwargs port'}"
+    return f"torchrun's agent store; {where}" if agent_store else where
+
+
+def _resolve(host: str, port: int, host_source: str = "MASTER_ADDR") -> tuple[Any, ...]:
     """The first address of ``host:port`` (family, type, proto, canonname, sockaddr); ValueError naming
-    the host when it does not resolve."""
+    the host, and where it came from, when it does not resolve."""
     try:
         return tuple(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0])
     except (OSError, UnicodeError) as e:
-        raise ValueError(f"the store's address {host!r} (MASTER_ADDR) does not resolve: {e}; expected a host "
+        raise ValueError(f"the store's address {host!r} ({host_source}) does not resolve: {e}; expected a host "
                          f"name or an IP address of the node whose rank 0 hosts the store") from None
 
 
-def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: float) -> None:
+def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: float,
+                 origin: str = "MASTER_ADDR, MASTER_PORT") -> None:
     """Return once a torch TCPStore server answers at ``host:port``; a clear error, within
-    ``timeout_s``, when nothing listens there or what listens is not a store."""
+    ``timeout_s``, when nothing listens there or what listens is not a store. ``origin`` says where
+    the address came from (the keywords or the environment), for the errors."""
     deadline = time.monotonic() + timeout_s
     while True:
         # torch's client backs off for about half a second when the server is not listening
         # yet; ranks that start before the store host would all pay it before the first barrier.
-        _await_listener(address, host, port, timeout_s, deadline=deadline)
+        _await_listener(address, host, port, timeout_s, deadline=deadline, origin=origin)
         probe_s = max(min(deadline - time.monotonic(), PROBE_S), 0.001)
         try:
             TCPStoreClient(host, port, timeout=probe_s, connect_timeout=probe_s).close()
@@ -187,16 +248,14 @@ def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: floa
             # on the same port right after. A listener that keeps closing connections is
             # named at the store's timeout.
             if time.monotonic() + _REACH_RETRY_S >= deadline:
-                raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: "
-                                      f"{e}") from None
+                raise ConnectionError(f"{host}:{port} ({origin}) is not a torch TCPStore server: {e}") from None
             time.sleep(_REACH_RETRY_S)
         except StoreError as e:
-            raise ConnectionError(f"MASTER_ADDR:MASTER_PORT = {host}:{port} is not a torch TCPStore server: "
-                                  f"{e}") from None
+            raise ConnectionError(f"{host}:{port} ({origin}) is not a torch TCPStore server: {e}") from None
 
 
 def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: float, poll_s: float = 0.005,
-                    *, deadline: Optional[float] = None) -> None:
+                    *, deadline: Optional[float] = None, origin: str = "MASTER_ADDR, MASTER_PORT") -> None:
     """Return once something accepts connections at the address; ``deadline`` (monotonic) ends the
     wait before ``timeout_s`` (which the error names) when the caller spent some of it already."""
     family, kind, proto, _, sockaddr = address
@@ -213,11 +272,11 @@ def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: f
             except ConnectionRefusedError:
                 pass
             except OSError as e:
-                raise ConnectionError(f"the store at {host}:{port} (MASTER_ADDR:MASTER_PORT) cannot be "
-                                      f"reached: {e}") from None
+                raise ConnectionError(f"the store at {host}:{port} ({origin}) cannot be reached: {e}") from None
         if time.monotonic() + poll_s >= deadline:
-            raise TimeoutError(f"nothing listens at {host}:{port} (MASTER_ADDR:MASTER_PORT) after {timeout_s:g}s: "
-                               "expected the store of rank 0 (is it running, and is MASTER_PORT its port?)")
+            raise TimeoutError(f"nothing listens at {host}:{port} ({origin}) after {timeout_s:g}s: "
+                               "expected the store that the host rank serves (is it running, and is this its "
+                               "port?)")
         time.sleep(poll_s)
 
 

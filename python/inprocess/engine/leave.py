@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import os
 import sys
 import traceback
+from types import FrameType
 from typing import Iterator, Optional
 
 from ..control.protocol import FaultRecord, RestartProtocol
@@ -60,6 +62,50 @@ def drop_frames(exc: BaseException) -> None:
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
             e.__traceback__ = None
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the local variables of every finished frame that ``exc`` and the exceptions it was raised
+    from or during (``__cause__`` and ``__context__``, each followed) hold, keeping their tracebacks.
+
+    For the exception that leaves a wrapped call: whoever holds it holds those frames, and with their
+    locals the rank's runtime, its store clients (connections to a store host that has exited), the
+    failed iteration's process groups and models. The traceback text stays whole (file, line, function
+    and source line come from the code, not the locals); what goes is what a post-mortem debugger would
+    show of the locals. Frames still executing (the caller's) cannot be cleared and are left alone.
+
+    Besides the frames its traceback lists, an exception caught and kept (a rank assignment's failure,
+    raised later in another frame; an abort hook's, caught on the restart trigger's thread) reaches the
+    frames that were running when it was caught: each frame holds its caller (``f_back``).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        if tb is not None:
+            traceback.clear_frames(tb)
+            _clear_callers(tb.tb_frame.f_back)
+        pending.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+        # An exception group (Python 3.11+) holds the frames of its members too.
+        pending.extend(getattr(e, "exceptions", None) or ())
+
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _clear_callers(frame: Optional[FrameType]) -> None:
+    """Clear ``frame`` and its callers up to the first one still executing (its callers execute too)."""
+    while frame is not None:
+        if not frame.f_code.co_flags & _SUSPENDABLE:  # clearing a suspended generator's frame would close it
+            try:
+                frame.clear()
+            except RuntimeError:
+                return  # still executing
+        frame = frame.f_back
 
 
 def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseException, timeout: float) -> None:

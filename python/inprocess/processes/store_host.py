@@ -23,8 +23,9 @@ It lives exactly as long as the job needs it:
 
 Memory: it imports torch for the server (about 220 MB RSS once per job, not
 per rank). Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` the agent
-already hosts a server that outlives the training processes, and no store host
-is started.
+already hosts a server that outlives the training processes: where the store is
+that one (no ``port`` in ``store_kwargs``, or MASTER_PORT), no store host is
+started; an explicit port elsewhere gets one (inprocess.store.uses_agent_store).
 
 Exit codes: 0 done or stopped, 2 bad arguments, 3 the server could not start
 (the reason is written to the ready pipe and the log), 4 internal error.
