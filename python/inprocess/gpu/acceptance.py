@@ -43,6 +43,7 @@ FAKE_TESTS = (
     "tests/test_cuda_driver.py",
     "tests/test_nvml_check.py",
     "tests/test_nccl_abort.py",
+    "tests/test_nccl_release.py",
     "tests/test_flight_recorder.py",
     "tests/test_gpu_settings.py",
     "tests/test_gpu_abi.py",
