@@ -58,8 +58,9 @@ def main() -> float:
 
 if __name__ == "__main__":
     # DDP imports torch._dynamo (and sympy) on its first use, which takes a second or
-    # more; a restart that interrupts an import leaves the module half-initialised for
-    # every later iteration. Importing it before the wrapper keeps imports out of restarts.
+    # more; a restart that comes meanwhile waits for the import to finish (a module cut
+    # in the middle would stay broken). Importing it before the wrapper keeps that wait
+    # out of restarts (README, "Imports and restarts").
     import torch._dynamo  # noqa: F401
 
     import inprocess

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import inprocess
 
 # DDP imports torch._dynamo (and sympy) on its first use, a second or more; a restart
-# that interrupts an import leaves the module half-initialised for every later
-# iteration. Imported above, before the wrapper, it never happens during a restart.
+# that comes meanwhile waits for the import to finish (a module cut in the middle would
+# stay broken). Imported above, before the wrapper, it never delays a restart.
 
 
 class Checkpoint:
