@@ -74,6 +74,9 @@ def test_every_rank_gets_torchruns_environment_and_the_scripts_arguments(tmp_pat
     assert {(s["env"]["ROLE_NAME"], s["env"]["ROLE_WORLD_SIZE"], s["env"]["GROUP_WORLD_SIZE"]) for s in seen} == {
         ("default", "5", "3")}
     assert len({s["env"]["TORCHELASTIC_RUN_ID"] for s in seen}) == 1  # one job, one run id
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ:  # else inherited, not added
+        # Abort the communicators, the failed work raises (torchrun's 1 would tear the rank down).
+        assert {s["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"2"}
 
 
 # torchrun's worker variables that ours leaves out, and why (README, "Use"): torchrun's agent reads a
@@ -82,8 +85,10 @@ NOT_SET_HERE = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
 # Ours only: unbuffered output (the ranks share the terminal), the events the summary line is read from.
 OURS_ONLY = {"PYTHONUNBUFFERED", "INPROCESS_EVENTS_DIR"}
 # Same names, other values, and why: 127.0.0.1, not torchrun's "localhost" (no name lookup, no ::1); no
-# agent store (rank 0's process hosts the store); a run id and a port of every job's own.
-DIFFERENT_VALUES = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"}
+# agent store (rank 0's process hosts the store); a run id and a port of every job's own; NCCL's async
+# error handling 2 (abort the communicators), where torchrun's 1 tears the process down on an NCCL error.
+DIFFERENT_VALUES = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 @pytest.mark.timeout(120)

@@ -155,7 +155,9 @@ class LocalJob:
                     MASTER_PORT=str(self.port),
                     PYTHONUNBUFFERED="1",
                 )
-                env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default, the user's value kept
+                # torchrun sets 1, which tears a rank down on an NCCL error; an in-process restart needs 2
+                # (abort the communicators, the failed work raises: README, "GPU"). A user's value is kept.
+                env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
                 if self.sets_omp_num_threads:
                     env["OMP_NUM_THREADS"] = "1"
                 out = subprocess.PIPE if self.capture else None

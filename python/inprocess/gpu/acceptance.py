@@ -116,13 +116,17 @@ def environment() -> Dict[str, Any]:
 
 
 def _checkout(tests: Optional[str]) -> Optional[pathlib.Path]:
-    """The folder holding ``tests/``: `tests`'s parent, or the checkout this
-    package is imported from."""
+    """The folder holding ``tests/``: `tests`'s parent, else the checkout this
+    package is imported from, else the current directory when it is a
+    checkout (a package installed with ``pip install .`` carries no tests,
+    and is run from the checkout it was installed from)."""
     if tests:
         folder = pathlib.Path(tests).resolve()
         return folder.parent if (folder / "conftest.py").exists() else None
-    root = pathlib.Path(__file__).resolve().parents[3]  # python/inprocess/gpu/acceptance.py
-    return root if (root / "tests" / "conftest.py").exists() else None
+    for root in (pathlib.Path(__file__).resolve().parents[3], pathlib.Path.cwd()):  # python/inprocess/gpu/
+        if (root / "tests" / "conftest.py").exists():
+            return root
+    return None
 
 
 def run_pytest(label: str, root: pathlib.Path, targets: Sequence[str], marker: str, out: pathlib.Path,
@@ -482,7 +486,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="folder for report.json and report.md "
                         "(default: ./inprocess-acceptance-<UTC time>)")
     parser.add_argument("--tests", default=None, help="the checkout's tests/ folder (default: the one beside "
-                        "this package, when it is imported from a checkout)")
+                        "this package when it is imported from a checkout, else ./tests)")
     parser.add_argument("--fakes", nargs="*", default=None, help="pytest targets for the no-GPU part, "
                         "relative to the checkout (default: every test file of the GPU layer's fakes)")
     parser.add_argument("--no-gpu", action="store_true", help="run the no-GPU part only, even with a GPU")
