@@ -19,7 +19,9 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import io
 import json
+import logging
 import pathlib
 import sys
 import types
@@ -398,7 +400,7 @@ def test_abort_hooks_call_what_the_libraries_provide(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.timeout(60)
-def test_nested_restarter_hooks_take_nvrx_keywords(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nested_restarter_hooks_take_nvrx_keywords() -> None:
     from inprocess.nested_restarter import (
         NestedRestarterAborted,
         NestedRestarterCallback,
@@ -430,8 +432,16 @@ def test_nested_restarter_hooks_take_nvrx_keywords(capsys: pytest.CaptureFixture
                      (0, "[NestedRestarter] name=[InProcess] state=custom stage=stage")]
     logger = NestedRestarterLogger()
     assert logger.name == "InprocessRestarter" and logger.restarter_logger.name == "InprocessRestarter.Restarter"
-    NestedRestarterFinalized(logger=logger)(_state())
-    assert capsys.readouterr().out.rstrip().endswith("[NestedRestarter] name=[InProcess] state=finalized")
+    # The contract line's handler holds the sys.stdout of the first test that made it (once per
+    # process), not this test's captured one: read it through a stream of this test's own.
+    (handler,) = [h for h in logger.restarter_logger.handlers if isinstance(h, logging.StreamHandler)]
+    buffer = io.StringIO()
+    previous = handler.setStream(buffer)
+    try:
+        NestedRestarterFinalized(logger=logger)(_state())
+    finally:
+        handler.setStream(previous)
+    assert buffer.getvalue().rstrip().endswith("[NestedRestarter] name=[InProcess] state=finalized")
     with pytest.raises(ValueError, match="logger=.*expected an object with set_connected_rank"):
         NestedRestarterFinalized(logger=object())
 
