@@ -97,7 +97,9 @@ def test_optimal_style_with_the_nested_restarter_recovers_under_torchrun(tmp_pat
 
 
 def test_optimal_style_with_the_nested_restarter_keywords_recovers_under_torchrun(tmp_path: pathlib.Path) -> None:
-    recs, output = run_style(tmp_path, "nvrx_optimal_style.py", "--nested-keywords", fault=(3, 4))
+    # Not at a checkpoint step (4, 9, ...): there rank 0 saves under atomic() while rank 3 raises, and
+    # whether the restart comes before or after the save is a race (resume at 0 or at 5).
+    recs, output = run_style(tmp_path, "nvrx_optimal_style.py", "--nested-keywords", fault=(3, 7))
     assert nested_lines(output) == ["state=initialize", "state=handling stage=starting",
                                     "state=handling stage=completed", "state=finalized"], output[-8000:]
 
