@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
 import tempfile
@@ -29,6 +30,10 @@ from typing import Any, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess.launch import LocalJob
+
+# Faults injected back to back, each a restart to time: the storm brake (inprocess/engine/storm.py)
+# would back off from the third of the same shape on, and this would time its back-off instead.
+os.environ.setdefault("INPROCESS_RESTART_STORM", "off")
 
 HERE = pathlib.Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
