@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 from types import FrameType
-from typing import Iterator, Optional
+from typing import Iterator, NoReturn, Optional
 
 from ..control.protocol import FaultRecord, RestartProtocol
 from ..state import Mode, State
@@ -125,6 +125,17 @@ def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseE
                 timeout=timeout, who=f"r{s.initial_rank}")
 
 
+def exit_now(code: int) -> NoReturn:
+    """Flush standard output and error, then ``os._exit(code)``: no finaliser and no
+    logging shutdown, either of which could wait on a thread that is stuck."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+    os._exit(code)
+
+
 def exit_if_abort_abandoned() -> None:
     """A rank whose NCCL abort was abandoned at its deadline (``NcclAbortTimeout``)
     ends its process here, once it is counted out, with exit status 75 (the rank
@@ -140,9 +151,4 @@ def exit_if_abort_abandoned() -> None:
         return
     log.error("an NCCL abort was abandoned at its deadline: this rank exits (code %d) without touching "
               "torch's process groups again", EXIT_CODE_UNRELEASABLE)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not keep the process alive
-            pass
-    os._exit(EXIT_CODE_UNRELEASABLE)
+    exit_now(EXIT_CODE_UNRELEASABLE)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from typing import Callable, NoReturn, Optional
 
-from ..engine.leave import exception_chain
+from ..engine.leave import exception_chain, exit_now
 from ..exception import HealthCheckError, RestartError
 
 log = logging.getLogger("inprocess")
@@ -70,12 +68,7 @@ def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], ob
             leave()
         except BaseException as e:  # the exit below must happen regardless
             log.error("leaving the job before exit %d failed: %s", EXIT_CODE_CONTEXT_LOST, e)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not keep the process alive
-            pass
-    os._exit(EXIT_CODE_CONTEXT_LOST)
+    exit_now(EXIT_CODE_CONTEXT_LOST)
 
 
 def lost_context_in(exc: BaseException) -> Optional[CudaContextLost]:
