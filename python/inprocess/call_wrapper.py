@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from . import _native, faults
 from . import store as store_mod
-from .control import protocol
+from .control import joining, protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine import join
 from .engine.interrupt import interrupted_by
 from .engine.leave import (
     Leave,
@@ -105,6 +106,9 @@ class CallWrapper:
         self._membership: Optional[Membership] = None
         self._assignment = AssignmentRunner(wrapper.rank_assignment)
         self._storm = StormBrake(StormLimits.from_environment())  # INPROCESS_RESTART_STORM: a bad value fails here
+        # INPROCESS_JOIN=1: this process joins a running job (control/joining.py) with this token.
+        self._join_token = ""
+        self._job_config: dict[str, str] = {}
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -169,10 +173,12 @@ class CallWrapper:
         faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
         gpu_settings.warn_once()  # once per process, and only where NCCL can run on a GPU
         call_index = self._enter()
+        self._join_token = joining.new_token() if joining.join_requested() else ""
+        self._job_config = join.job_config(self._w, fn)
         try:
             try:
                 self._rt = RankRuntime.open(
-                    self._w, self.state, call_index,
+                    self._w, self.state, call_index, join_token=self._join_token,
                     on_soft_timeout=self._on_soft_timeout,
                     run_abort=self._run_abort_hook,
                     leave_unreleasable=self._leave_unreleasable,
@@ -196,7 +202,8 @@ class CallWrapper:
         leaving: LeaveJob
         try:
             self._set_phase(_Phase.INITIAL_BARRIER)
-            self._join()
+            if not self._join():
+                return self._never_joined()
             while True:
                 i = self.state.iteration
                 rt.interrupter.reset()
@@ -220,15 +227,35 @@ class CallWrapper:
         # LeaveJob as its __context__ ("During handling of the above exception ...").
         self._leave_job(leaving)
 
-    def _join(self) -> None:
+    def _join(self) -> bool:
+        """Into the job: at barrier 0, or (INPROCESS_JOIN=1) admitted by a restart's leader.
+        False when the job ended before it admitted this process."""
         s = self.state
         keys = self._assignment.local_keys(s.freeze())
+        if self._join_token:
+            return self._join_running_job(keys)
         if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
         self._storm.started(decision.host, decision.t_ns)
         self._emit_decision(decision)
         self._apply(decision)
+        return True
+
+    def _join_running_job(self, keys: Optional[list[list[str]]]) -> bool:
+        rt = self._runtime
+        try:
+            decision = join.wait_for_admission(rt.protocol, self.state, self._join_token, self._job_config, keys,
+                                               stamp=rt.heartbeat.stamp_auto,
+                                               timeout=self._w.timeouts.barrier_wait_s)
+        except join.JoinClosed as e:
+            log.info("rank %d: %s", self.state.initial_rank, e)
+            return False
+        rt.trigger_protocol.life = rt.protocol.life
+        self._storm.started(decision.host, decision.t_ns)
+        self._emit_decision(decision)
+        self._apply(decision)
+        return True
 
     def _run_active(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], outcome: IterationOutcome
@@ -366,6 +393,9 @@ class CallWrapper:
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
         previous = self._membership
+        if previous is not None and decision.joined:
+            previous = previous.with_joined(decision.joined)
+        record.joined = [seat for seat, _ in decision.joined]
         if previous is not None:
             record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
                                                                        strict=True))
@@ -445,11 +475,25 @@ class CallWrapper:
             raise LeaveJob(e, failed) from None
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
+        p = self._runtime.protocol
+        previous = self._membership
         with self._runtime.hang_guard.deciding():  # a hung rank assignment: killed, and the lead taken over
-            return self._assignment.decide(
-                self._membership, dead, faults, leader, state=self.state, read_topology=self._read_topology,
-                takeover=self._runtime.protocol.lead_term > 0,
+            join_keys = joining.JoinKeys(p.counted, p.call, p.incarnation)
+            joined: list[tuple[int, int]] = []
+            if previous is None:
+                join_keys.name_running_incarnation()  # a joiner of another incarnation is told so
+            else:
+                joined = joining.admit(join_keys, self.state.iteration + 1, previous, self._job_config,
+                                       seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+                if joined:
+                    previous = previous.with_joined(joined)
+                    self._assignment.forget_topology()  # the joiners' keys replace their seats' old ones
+            decision = self._assignment.decide(
+                previous, dead, faults, leader, state=self.state, read_topology=self._read_topology,
+                takeover=p.lead_term > 0,
             )
+            decision.joined = joined
+            return decision
 
     def _read_topology(self) -> list[list[list[str]]]:
         return self._runtime.protocol.read_topology(self.state.initial_world_size)
@@ -459,6 +503,10 @@ class CallWrapper:
         m = decision.membership
         r = s.initial_rank
         before, previous = s.freeze(), self._membership
+        if decision.joined:
+            self._assignment.forget_topology()  # the joiners' keys replace their seats' old ones
+            if previous is not None:
+                previous = previous.with_joined(decision.joined)
         self._membership = m
         s.iteration = decision.iteration
         if decision.abort is not None:
@@ -468,8 +516,10 @@ class CallWrapper:
             failure = self._assignment.take_failure() if decision.leader == r else None
             raise LeaveJob(failure or RestartAbort(decision.abort), Leave.JOB_ABORTED)
         try:
-            # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
-            self._assignment.verify(decision, previous, before, self._read_topology)
+            # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the
+            # job). A joiner has no previous state of its own to run it on: the leader ran it as a spare's.
+            if not (self._join_token and previous is None):
+                self._assignment.verify(decision, previous, before, self._read_topology)
         except RankAssignmentMismatch as e:
             raise LeaveJob(e, Leave.TERMINATED) from None
         mode = Mode(m.mode[r])
@@ -501,6 +551,14 @@ class CallWrapper:
             self._w.completion(s.freeze())
         return value if s.mode == Mode.ACTIVE else None
 
+    def _never_joined(self) -> None:
+        """The job ended while this process waited to join it: it was never a member (it tells
+        nobody it leaves), and its call returns what a spare's returns."""
+        s = self.state
+        self._set_phase(_Phase.DONE)
+        self._emit("exit", outcome="completed", reason="never joined", iteration=s.iteration)
+        return None
+
     def _leave_job(self, leaving: LeaveJob) -> NoReturn:
         """TERMINATED: tell the others, arrive for this rank at the barrier, re-raise."""
         s = self.state
@@ -518,7 +576,9 @@ class CallWrapper:
                    type=type(exc).__name__, message=str(exc)[:300])
         if not leaving.reason.counted_already:
             try:
-                if self._membership is None:
+                if self._membership is None and self._join_token:
+                    self._withdraw_join(p, leaving.reason.value, exc)
+                elif self._membership is None:
                     count_out_before_joining(p, s, leaving.reason.value, exc, self._w.timeouts.barrier_wait_s)
                 else:
                     p.report_fault(FaultRecord.from_exception(s.initial_rank, s.iteration, leaving.reason.value, exc))
@@ -591,6 +651,15 @@ class CallWrapper:
         e = TimeoutError(f"main thread still blocked {self._w.timeouts.release_wait_s:g}s after the abort")
         p.record_fault(FaultRecord.from_exception(s.initial_rank, iteration, "unreleasable", e))
         self._arrive_terminated(p, iteration)
+
+    def _withdraw_join(self, p: RestartProtocol, kind: str, exc: BaseException) -> None:
+        """A joiner leaving before it entered the job: withdrawn; admitted already (the leader
+        came first), its seat is counted out where it stands, as any rank's."""
+        s = self.state
+        admitted = join.withdraw(p, self._join_token, f"{kind}: {type(exc).__name__}: {exc}")
+        if admitted is not None:
+            p.life = admitted.life
+            count_out_before_joining(p, s, kind, exc, self._w.timeouts.barrier_wait_s)
 
     def _arrive_terminated(self, p: RestartProtocol, iteration: int) -> None:
         """Count this rank out at the barrier after ``iteration``, so nobody waits for it."""

@@ -139,41 +139,50 @@ class LocalJob:
     def __enter__(self) -> "LocalJob":
         try:
             for rank in range(self.world_size):
-                env = dict(os.environ)
-                env.update(self.env)
-                env.update(
-                    RANK=str(rank),
-                    GROUP_RANK=str(rank // self.ranks_per_node),
-                    ROLE_RANK=str(rank),
-                    ROLE_NAME=ROLE_NAME,
-                    LOCAL_RANK=str(rank % self.ranks_per_node),
-                    LOCAL_WORLD_SIZE=str(self._local_world_size(rank)),
-                    WORLD_SIZE=str(self.world_size),
-                    GROUP_WORLD_SIZE=str(self.nodes),
-                    ROLE_WORLD_SIZE=str(self.world_size),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(self.port),
-                    PYTHONUNBUFFERED="1",
-                )
-                # torchrun sets 1, which tears a rank down on an NCCL error; an in-process restart needs 2
-                # (abort the communicators, the failed work raises: README, "GPU"). A user's value is kept.
-                env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-                if self.sets_omp_num_threads:
-                    env["OMP_NUM_THREADS"] = "1"
-                out = subprocess.PIPE if self.capture else None
-                popen = subprocess.Popen(
-                    [self.python, *self.argv],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if self.capture else None,
-                    text=True,
-                    start_new_session=True,  # one process group per rank: killpg reaps its children too
-                )
-                self.ranks.append(RankProcess(rank, popen))
+                self.ranks.append(RankProcess(rank, self.start_process(rank)))
         except BaseException:
             self.kill()
             raise
         return self
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The environment of ``rank``'s process: this one's, the job's, and what torchrun would set."""
+        env = dict(os.environ)
+        env.update(self.env)
+        env.update(
+            RANK=str(rank),
+            GROUP_RANK=str(rank // self.ranks_per_node),
+            ROLE_RANK=str(rank),
+            ROLE_NAME=ROLE_NAME,
+            LOCAL_RANK=str(rank % self.ranks_per_node),
+            LOCAL_WORLD_SIZE=str(self._local_world_size(rank)),
+            WORLD_SIZE=str(self.world_size),
+            GROUP_WORLD_SIZE=str(self.nodes),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.port),
+            PYTHONUNBUFFERED="1",
+        )
+        # torchrun sets 1, which tears a rank down on an NCCL error; an in-process restart needs 2
+        # (abort the communicators, the failed work raises: README, "GPU"). A user's value is kept.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        if self.sets_omp_num_threads:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def start_process(self, rank: int, extra_env: Optional[dict[str, str]] = None) -> subprocess.Popen[str]:
+        """Start a process for ``rank`` (its first, or one that replaces it: ``extra_env``)."""
+        env = self.rank_env(rank)
+        env.update(extra_env or {})
+        out = subprocess.PIPE if self.capture else None
+        return subprocess.Popen(
+            [self.python, *self.argv],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if self.capture else None,
+            text=True,
+            start_new_session=True,  # one process group per rank: killpg reaps its children too
+        )
 
     def _local_world_size(self, rank: int) -> int:
         """Ranks on this rank's node: the last node may hold fewer."""

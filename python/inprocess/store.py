@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .control.host_names import numeric_host_names
 from .control.incarnation import job_incarnation
+from .control.joining import join_requested
 from .control.tcpstore_client import StoreError, StoreHandshakeClosedError, TCPStoreClient
 from .engine import sockets
 from .exception import BarrierError as BarrierError  # NVRx's names for a barrier's failures
@@ -139,7 +140,8 @@ class TCPStore(dist.TCPStore, StoreMixin):
         else:
             log.debug("store: served by initial rank %d at %s:%d (%s)", self.tcp_store_host_rank, host_name, port,
                       origin)
-        self.is_host = rank == self.tcp_store_host_rank and not use_agent_store
+        # A process that joins a running job (INPROCESS_JOIN=1) finds the store served already.
+        self.is_host = rank == self.tcp_store_host_rank and not use_agent_store and not join_requested()
         self.host_process: Optional[HelperProcess] = None
         # On every rank: the server runs in a store host, which exits once the call is done.
         self.served_by_store_host = bool(host_process) and not use_agent_store
@@ -154,7 +156,15 @@ class TCPStore(dist.TCPStore, StoreMixin):
                                             name="inprocess-store")
             port, serve_here = int(self.host_process.ready), False  # its ready line is the port it serves
         if not self.is_host:
-            _reach_store(address, host_name, port, timeout.total_seconds(), origin)
+            joining = join_requested()
+            # A joiner comes to a running job: its store listens already, or the job is over.
+            reach_s = min(timeout.total_seconds(), JOINER_REACH_S) if joining else timeout.total_seconds()
+            try:
+                _reach_store(address, host_name, port, reach_s, origin)
+            except TimeoutError as e:
+                if not joining:
+                    raise
+                raise TimeoutError(f"INPROCESS_JOIN=1: the job it would join is not running: {e}") from None
         try:
             super().__init__(
                 host_name,
@@ -175,6 +185,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
     def critical_ranks(self) -> tuple[int, ...]:
         # A store host process outlives the rank that started it: no rank is critical then.
         return (self.tcp_store_host_rank,) if self.is_host and self.host_process is None else ()
+
+
+# How long a process that joins a running job (INPROCESS_JOIN=1) waits for the job's store to answer.
+JOINER_REACH_S = 10.0
 
 
 def _under_agent_store() -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Protocol
 
 from ..exception import InternalError
+from . import seats
 from .leadership import RestartStore, mark_lost
 from .records import FaultRecord
 from .store_ops import CountingStore
@@ -56,6 +57,7 @@ def count_out(
     timeout: float,
     who: str,
     in_barrier: bool = True,
+    life: Optional[int] = None,
 ) -> Optional[int]:
     """Count ``initial_rank`` out of the job on its behalf (module docstring: where).
 
@@ -69,33 +71,39 @@ def count_out(
     completed (then this leaves on the rank's behalf). ``in_barrier`` False:
     the caller knows that the rank had left its last barrier (its monitor reads
     the phase on its heartbeat page), so that barrier's decision is out and
-    is not looked for.
+    is not looked for. ``life``: the life of the seat (:mod:`inprocess.control.seats`)
+    whose process is counted out; a seat in another life is left alone (None:
+    whichever process holds it, for a peer's monitor that cannot know).
     """
     for _ in range(_SEAT_ATTEMPTS):
-        seat = p.read_seat(initial_rank)
-        if seat is not None and seat.startswith("t"):
+        raw = p.read_seat(initial_rank)
+        seat = None if raw is None else seats.parse(raw)
+        if seat is not None and life is not None and seat.life != life:
+            return None  # the seat holds another life's process: not the one counted out here
+        if seat is not None and seat.counted_out:
             return None
-        if seat is not None and in_barrier and not p.terms.decision_out(int(seat)):
-            lost_at = int(seat)  # counted healthy there, lost before the decision came out
-            if not _claim_seat(p, initial_rank, seat, lost_at, who):
+        seat_life = 0 if seat is None else seat.life
+        if seat is not None and in_barrier and not p.terms.decision_out(seat.barrier):
+            lost_at = seat.barrier  # counted healthy there, lost before the decision came out
+            if not _claim_seat(p, initial_rank, raw or "", lost_at, who, seat_life):
                 continue
             if mark_lost(p, lost_at, fault(max(lost_at - 1, 0)), expected_at):
                 return lost_at
             # The decision came out first: the rank is counted out of the next barrier, if a member.
             return _count_out_at(p, initial_rank, lost_at + 1, expected_at(lost_at + 1), fault, timeout)
-        barrier = 0 if seat is None else int(seat) + 1
+        barrier = 0 if seat is None else seat.barrier + 1
         expected = expected_at(barrier)
         if expected is None:
             return None
-        if _claim_seat(p, initial_rank, seat or "", barrier, who):
+        if _claim_seat(p, initial_rank, raw or "", barrier, who, seat_life):
             return _count_out_at(p, initial_rank, barrier, expected, fault, timeout)
     raise InternalError(f"rank {initial_rank}: its seat kept moving while it was counted out")
 
 
-def _claim_seat(p: CountingOutStore, initial_rank: int, seat: str, barrier: int, who: str) -> bool:
-    """Move the seat from ``seat`` to "t<barrier>:<who>"; False when the rank (or
-    another declarer) moved it meanwhile."""
-    claim = f"t{barrier}:{who}"
+def _claim_seat(p: CountingOutStore, initial_rank: int, seat: str, barrier: int, who: str, life: int) -> bool:
+    """Move the seat from ``seat`` to "t<barrier>:<who>" (in the same life); False when the
+    rank (or another declarer) moved it meanwhile."""
+    claim = seats.counted_out(barrier, who, life)
     return p.counted.compare_set(p.seat_key(initial_rank), seat, claim).decode() == claim
 
 

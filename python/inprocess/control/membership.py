@@ -74,6 +74,18 @@ class Membership:
             self.rank[r] = NONE
             self.active_rank[r] = NONE
 
+    def with_joined(self, joined: Iterable[tuple[int, int]]) -> "Membership":
+        """A copy in which the seats of ``joined`` ((seat, life) pairs of a decision,
+        :mod:`inprocess.control.joining`) hold spares, ranked after every rank in the job."""
+        m = self.copy()
+        next_rank = m.world_size
+        for seat, _ in joined:
+            if m.mode[seat] != TERMINATED:
+                raise InternalError(f"initial rank {seat} was admitted as a joiner but is {Mode(m.mode[seat]).name}")
+            m.mode[seat], m.rank[seat], m.active_rank[seat] = INACTIVE, next_rank, NONE
+            next_rank += 1
+        return m
+
     def deactivate(self, initial_rank: int) -> None:
         if self.mode[initial_rank] == ACTIVE:
             self.mode[initial_rank] = INACTIVE

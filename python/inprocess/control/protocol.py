@@ -78,8 +78,10 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
+from . import seats
 from .counting_out import count_out
 from .incarnation import call_prefix
+from .joining import JoinKeys
 from .leadership import Terms, decide_barrier, parse_lost_mark
 from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
@@ -109,6 +111,14 @@ def done_key(call: int, incarnation: str = "") -> str:
 def monitor_heartbeat_key(call: int, rank: int, incarnation: str = "") -> str:
     """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
     return f"{call_prefix(call, incarnation)}monitors/{rank}"
+
+
+def _waits_for(seat: Optional[str], barrier: int) -> bool:
+    """Whether a seat holding ``seat`` belongs to a member not arrived at ``barrier`` yet."""
+    if seat is None or seat == "":
+        return barrier == 0
+    parsed = seats.parse(seat)
+    return not parsed.counted_out and parsed.barrier == barrier - 1
 
 
 class SeatTaken(Exception):
@@ -143,6 +153,8 @@ class RestartProtocol:
         initial_world_size: Optional[int] = None, incarnation: str = "",
     ):
         self.counted = CountingStore(store)
+        self.call = call
+        self.incarnation = incarnation
         self.prefix = call_prefix(call, incarnation)
         self.link = link
         # Where the seats are, to name the ranks a barrier misses (unknown: not named).
@@ -150,6 +162,8 @@ class RestartProtocol:
         # Given the prefix, not self.key: no reference cycle, so that the connection
         # closes as soon as the protocol is dropped (tests count descriptors).
         self.terms = Terms(self.counted, self.prefix)
+        # The life of the seat this process holds (control/seats.py): 0 but for a process that joined.
+        self.life = 0
         # While a decide function runs here: the term it decides (0: the barrier's first leader,
         # t > 0: the t-th to take the lead over), for a decide function that cares (fault injection).
         self.lead_term = 0
@@ -267,16 +281,22 @@ class RestartProtocol:
         False when somebody else counted the rank out already ("t..."): the
         rank must not count itself.
         """
-        desired = f"t{iteration}:self" if terminated else str(iteration)
-        previous = "" if iteration == 0 else str(iteration - 1)
+        life = self.life
+        desired = seats.counted_out(iteration, "self", life) if terminated else seats.healthy(iteration, life)
+        previous = seats.before_barrier(iteration, life)
         value = self.counted.compare_set(self.seat_key(initial_rank), previous, desired).decode()
         if value == desired:
             return True
-        if value.startswith("t"):
+        if value and seats.parse(value).counted_out:
             return False
         # compare_set answers a missing key with the expected value itself.
         held = "nothing" if value == previous else repr(value)
-        raise InternalError(f"barrier {iteration}: seat of rank {initial_rank} holds {held}, expected {previous!r}")
+        hint = ""
+        if iteration == 0 and value:
+            hint = (": a process of this job held the seat already; a process that joins a running job is started "
+                    "with INPROCESS_JOIN=1")
+        raise InternalError(
+            f"barrier {iteration}: seat of rank {initial_rank} holds {held}, expected {previous!r}{hint}")
 
     def read_seat(self, initial_rank: int) -> Optional[str]:
         """The seat's value, or None if the rank never arrived anywhere."""
@@ -292,9 +312,11 @@ class RestartProtocol:
         timeout: float,
         who: str,
         in_barrier: bool = True,
+        life: Optional[int] = None,
     ) -> Optional[int]:
         """Count ``initial_rank`` out of the job on its behalf: :func:`inprocess.control.counting_out.count_out`."""
-        return count_out(self, initial_rank, fault, expected_at, timeout=timeout, who=who, in_barrier=in_barrier)
+        return count_out(self, initial_rank, fault, expected_at, timeout=timeout, who=who, in_barrier=in_barrier,
+                         life=life)
 
     # -- barrier ------------------------------------------------------------
 
@@ -468,13 +490,12 @@ class RestartProtocol:
         if arrived >= expected or self.initial_world_size is None:
             return text
         # A member not arrived yet holds the seat of the barrier before (none before barrier 0).
-        waiting_seat = None if iteration == 0 else str(iteration - 1)
         missing: list[int] = []
         try:
             for rank in range(self.initial_world_size):
                 if len(missing) == min(limit, expected - arrived):
                     break
-                if self.read_seat(rank) == waiting_seat:
+                if _waits_for(self.read_seat(rank), iteration):
                     missing.append(rank)
         except Exception:
             pass  # name the ones found so far
@@ -555,6 +576,8 @@ class RestartProtocol:
         self.delete_iteration(iteration)
         self.delete_iteration(iteration - 1)
         self._delete([self.job_key("topology")])
+        # Before "done", which ends the store host: the waiting joiners are told while it serves them.
+        JoinKeys(self.counted, self.call, self.incarnation).end("the job ended")
         self.counted.set(self.job_key("done"), "1")
 
     def wait_done(self, timeout: Optional[float]) -> None:

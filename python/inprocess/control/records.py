@@ -121,6 +121,9 @@ class Decision:
     host: str = HOST
     assignment_ns: int = 0  # how long the rank assignment took on the leader
     term: int = 0  # 0: decided by the barrier's first leader; t > 0: by the t-th to take the lead over
+    # (seat, life) of every process admitted into a free seat (control/joining.py): applied to the
+    # previous membership as spares before this decision's table
+    joined: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         fields: dict[str, Any] = {
@@ -139,6 +142,8 @@ class Decision:
         }
         if self.term:  # only after a takeover (inprocess.control.leadership): a plain decision is unchanged
             fields["term"] = self.term
+        if self.joined:  # only when joiners were admitted: a plain decision is unchanged
+            fields["joined"] = [list(pair) for pair in self.joined]
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
@@ -164,9 +169,22 @@ class Decision:
                 assignment_ns=field_int(d, "assignment_ns", 0) if "assignment_ns" in d else 0,
                 # Each term after the first needs a rank of the job lost: never more terms than ranks.
                 term=field_int(d, "term", 0, n) if "term" in d else 0,
+                joined=_joined(d.get("joined", []), n),
             )
         except (ValueError, KeyError, TypeError, InternalError) as e:
             raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e
+
+
+def _joined(raw: object, n: int) -> list[tuple[int, int]]:
+    if not isinstance(raw, list):
+        raise ValueError(f"joined={raw!r:.80}: expected a list")
+    out = []
+    for pair in raw:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"joined entry {pair!r:.80}: expected [seat, life]")
+        seat, life = pair
+        out.append((field_int({"seat": seat}, "seat", 0, n - 1), field_int({"life": life}, "life", 1)))
+    return out
 
 
 # The leader's computation: (terminated initial ranks, faults of i-1, leader) -> decision.

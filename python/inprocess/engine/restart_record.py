@@ -98,6 +98,7 @@ class RestartRecord:
     initialized_ns: int = 0  # initialize returned in the next iteration (0 on a spare)
     assignment_ns: int = 0  # duration of the rank assignment on the leader
     activated: list[int] = dataclasses.field(default_factory=list)  # spares (initial ranks) made active
+    joined: list[int] = dataclasses.field(default_factory=list)  # seats (initial ranks) that new processes joined
     repeats: int = 1  # restarts in a row with the same cause, this one included (engine/storm.py)
     repeated_on_rank: Optional[int] = None  # the one rank that cause was on every time, if one
     backoff_s: float = 0.0  # the wait before the next iteration: a restart storm (engine/storm.py)
@@ -148,6 +149,8 @@ class RestartRecord:
         if self.repeat_note():
             text += f"; {self.repeat_note()}"
         text += f"; excluded: {self.terminated or 'none'}"
+        if self.joined:
+            text += f"; joined (new processes): {self.joined}"
         if self.activated:
             text += f"; spares activated: {self.activated}"
         text += f"; now {active_world_size} active of {world_size}; {self.duration_s * 1e3:.0f} ms to the decision"

@@ -71,12 +71,15 @@ class RankRuntime:
     node_link: Optional[NodeLink]
     protocol: RestartProtocol
     trigger: RestartTrigger
+    trigger_protocol: RestartProtocol  # the trigger thread's own connection
     watchdog: _native.Watchdog
     monitor: Optional[HelperProcess]
     events: Optional[EventLog]  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
 
-    def __init__(self, wrapper: Wrapper, state: State, call_index: int):
+    def __init__(self, wrapper: Wrapper, state: State, call_index: int, join_token: str = ""):
         self._w = wrapper
+        # This process joins a running job (control/joining.py): no node agent, a monitor that knows it.
+        self.join_token = join_token
         self._state = state
         self.call_index = call_index
         # The launcher's incarnation (torchrun's restart count, SLURM's job/step/restart): in every key.
@@ -98,9 +101,10 @@ class RankRuntime:
         on_soft_timeout: Callable[[Any], None],
         run_abort: Callable[[], None],
         leave_unreleasable: Callable[[RestartProtocol, int], None],
+        join_token: str = "",
     ) -> RankRuntime:
         """Open the rank's resources in order; on any failure, close what was opened and re-raise."""
-        rt = cls(wrapper, state, call_index)
+        rt = cls(wrapper, state, call_index, join_token)
         with rt._stack:
             rt._open(on_soft_timeout, run_abort, leave_unreleasable)
             rt._stack = rt._stack.pop_all()  # success: the stack now outlives the with block
@@ -149,7 +153,7 @@ class RankRuntime:
         world = self._state.initial_world_size
         self.protocol = RestartProtocol(self.store, self.call_index, self.node_link, initial_world_size=world,
                                         incarnation=self.incarnation)
-        trigger_protocol = RestartProtocol(
+        self.trigger_protocol = trigger_protocol = RestartProtocol(
             store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link,
             initial_world_size=world, incarnation=self.incarnation,
         )
@@ -202,6 +206,9 @@ class RankRuntime:
         """This node's agent (local rank 0 starts it), or None: the store directly."""
         layout = NodeLayout.from_env()
         store = self.store
+        if self.join_token:
+            # The node's agent counts the arrivals of its ranks' first life; a joiner talks to the store.
+            return None
         wanted = self._w.node_agent
         if wanted is None:
             wanted = (
@@ -253,6 +260,7 @@ class RankRuntime:
             # Without a log file the monitor shares the rank's stderr: warnings only, in the rank's format.
             log_level="INFO" if self._w.monitor_process_logfile else "WARNING",
             log_format=rank_log_format(),
+            join_token=self.join_token,
         ))
 
     # -- per iteration --------------------------------------------------------

@@ -290,6 +290,8 @@ class MonitorConfig(HelperConfig):
                                         NON_NEGATIVE, default=0.0)
     pidfile: Optional[str] = option("written with the monitor's pid once it watches the rank; removed on every exit",
                                     default=None)
+    join_token: str = option("the rank joins a running job with this token (control/joining.py; '': it does not)",
+                             NO_SLASH, default="")
     log_level: str = option("log level", one_of(*LOG_LEVELS), default="INFO")
 
     def log_label(self) -> str:

@@ -50,6 +50,7 @@ import time
 from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
+from ..control.joining import ADMITTED, GONE, JoinKeys, Outcome
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
 from ..state import Mode
@@ -447,15 +448,35 @@ class Monitor:
                      phase.name)
             return EXIT_OK
         log.warning("rank %d: %s (%s, %s)", self.rank, message, kind, type_)
+        life: Optional[int] = 0
+        if self.args.join_token:
+            try:
+                life = self._withdraw_joiner(message)
+            except Exception as e:
+                log.error("rank %d: could not withdraw its join: %s: %s", self.rank, type(e).__name__, e)
+                return EXIT_STORE
+            if life is None:
+                return EXIT_OK
         try:
-            self.count_out(self.rank, kind, type_, message, in_barrier=phase in _IN_BARRIER)
+            self.count_out(self.rank, kind, type_, message, in_barrier=phase in _IN_BARRIER, life=life)
         except Exception as e:
             log.error("rank %d: could not update the store: %s: %s", self.rank, type(e).__name__, e)
             return EXIT_STORE
         return EXIT_OK
 
+    def _withdraw_joiner(self, message: str) -> Optional[int]:
+        """A rank that joined a running job died: withdraw it if it was not admitted yet
+        (None: nothing more to do), else the life of the seat it was admitted into."""
+        keys = JoinKeys(self.protocol.counted, self.args.call, self.args.incarnation)
+        outcome = keys.resolve(self.args.join_token, Outcome(GONE, why=message))
+        if outcome.kind == ADMITTED:
+            return outcome.life
+        log.info("rank %d died while it waited to join (%s): withdrawn", self.rank, outcome.kind)
+        return None
+
     def count_out(
-        self, rank: int, kind: str, type_: str, message: str, store: Any = None, *, in_barrier: bool = True
+        self, rank: int, kind: str, type_: str, message: str, store: Any = None, *, in_barrier: bool = True,
+        life: Optional[int] = None,
     ) -> Optional[int]:
         """Count ``rank`` out at the first barrier it has not been counted at
         (its seat says which), recording the fault and requesting the restart;
@@ -482,7 +503,7 @@ class Monitor:
         try:
             barrier = protocol.count_out(
                 rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}",
-                in_barrier=in_barrier,
+                in_barrier=in_barrier, life=life,
             )
         finally:
             if store is not None:

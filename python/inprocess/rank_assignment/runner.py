@@ -42,8 +42,12 @@ class AssignmentRunner:
             return None
         return [list(owner.local_keys(state)) for owner in self._owners]
 
+    def forget_topology(self) -> None:
+        """Processes joined seats (control/joining.py): the next read takes their keys."""
+        self._topology = None
+
     def topology(self, read_table: Callable[[], TopologyTable]) -> Topology:
-        """Everyone's keys, read once per call (they never change)."""
+        """Everyone's keys, read once per call (they change only when processes join)."""
         if not self._owners:
             return Topology.empty()
         if self._topology is None:

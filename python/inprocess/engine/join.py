@@ -1,0 +1,114 @@
+"""A process that joins a running job: its side of :mod:`inprocess.control.joining`.
+
+Started with ``INPROCESS_JOIN=1`` and the job's environment, the process
+checks that the store runs a job of its own incarnation, announces itself
+(its seat, its configuration, its topology keys) and waits, stamping its
+progress like a spare, until a restart's leader resolves it. Admitted, it
+reads that barrier's decision and enters the job with it; refused, it leaves
+with the reason; closed (the job ended while it waited), its call returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+from ..control import seats
+from ..control.joining import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, JoinKeys, Outcome
+from ..control.protocol import Decision, RestartProtocol
+from ..control.records import HOST
+from ..exception import RestartError
+from ..state import State
+
+log = logging.getLogger("inprocess")
+
+# How often a waiting joiner stamps its progress at least (a spare stamps every soft_timeout/4).
+_STAMP_S = 1.0
+
+
+class JoinRefused(RestartError):
+    """The running job refused this process (its configuration differs, or its incarnation)."""
+
+
+class JoinClosed(Exception):
+    """The job ended while this process waited to join it."""
+
+
+def job_config(wrapper: Any, fn: Callable[..., Any]) -> dict[str, str]:
+    """What a joiner's configuration must share with the job's, as plain strings: the wrapped
+    function, the world's shape, the timeouts and the rank assignment."""
+    t = wrapper.timeouts
+    timeouts = ",".join(f"{name}={getattr(t, name)}" for name in sorted(vars(t)) if not name.startswith("_"))
+    module = getattr(fn, "__module__", "?")
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    return {
+        "function": f"{module}.{qualname}",
+        "initial_world_size": os.environ.get("WORLD_SIZE", "?"),
+        "timeouts": timeouts,
+        "rank_assignment": repr(type(wrapper.rank_assignment).__name__),
+    }
+
+
+def wait_for_admission(
+    p: RestartProtocol, state: State, token: str, config: dict[str, str], keys: Optional[list[list[str]]],
+    stamp: Callable[[], None], timeout: float,
+) -> Decision:
+    """Announce this process and wait until a leader resolves it; returns the decision that
+    admits it (its seat's life is set on ``p``). Raises :class:`JoinRefused` or :class:`JoinClosed`."""
+    join = JoinKeys(p.counted, p.call, p.incarnation)
+    _check_incarnation(join, p.incarnation)
+    seat = state.initial_rank
+    held = p.read_seat(seat)
+    if held is not None and not seats.parse(held).counted_out:
+        log.info("rank %d: seat %d is held by a running process of the job: this process waits until it is free",
+                 seat, seat)
+    join.announce(Announcement(token, seat, HOST, os.getpid(), config, keys))
+    # Read after the announcement: a job that ended before it closed it, or says so here.
+    _check_incarnation(join, p.incarnation)
+    log.info("rank %d: waiting to join the running job (token %s)", seat, token)
+    outcome = None
+    while outcome is None:
+        stamp()
+        try:
+            outcome = join.wait_outcome(token, _STAMP_S)
+        except RestartError:
+            raise
+        except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+            raise JoinClosed(f"the store went away while this process waited to join ({type(e).__name__}: {e})") \
+                from None
+    if outcome.kind == REFUSED:
+        raise JoinRefused(f"the running job refused initial rank {seat}: {outcome.why}")
+    if outcome.kind in (CLOSED, GONE):
+        raise JoinClosed(f"initial rank {seat} did not join: {outcome.why}")
+    assert outcome.kind == ADMITTED
+    if outcome.seat != seat:
+        raise RestartError(f"joiner {token} asked for seat {seat} and was admitted into seat {outcome.seat}")
+    p.life = outcome.life
+    log.info("rank %d: admitted at barrier %d (life %d of its seat)", seat, outcome.barrier, outcome.life)
+    # Published before the admission was read (the leader admits, then decides and publishes): no long wait.
+    return p.wait_decision(outcome.barrier, timeout)
+
+
+def withdraw(p: RestartProtocol, token: str, why: str) -> Optional[Outcome]:
+    """This joiner leaves before it entered the job: its announcement is withdrawn. Returns
+    the outcome that holds (an admission that came first must then be counted out)."""
+    join = JoinKeys(p.counted, p.call, p.incarnation)
+    outcome = join.resolve(token, Outcome(GONE, why=why))
+    return outcome if outcome.kind == ADMITTED else None
+
+
+def _check_incarnation(join: JoinKeys, incarnation: str) -> None:
+    running = join.running_incarnation()
+    if running is not None and running.startswith(ENDED):
+        if running[len(ENDED):] == incarnation:
+            raise JoinClosed("the job it would join has ended")
+        running = running[len(ENDED):]
+    if running is None:
+        raise JoinRefused(f"INPROCESS_JOIN=1, but no job of call {join.call} has run at this store: nothing to join "
+                          f"(start the job's first processes without INPROCESS_JOIN)")
+    if running != incarnation:
+        raise JoinRefused(f"this process belongs to incarnation {incarnation or '(none)'!r} of the job, and the "
+                          f"store runs incarnation {running or '(none)'!r}: a process of another incarnation "
+                          f"cannot join it (its launcher's variables differ: TORCHELASTIC_RESTART_COUNT, "
+                          f"SLURM_STEP_ID, ...)")

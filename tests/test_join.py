@@ -1,0 +1,160 @@
+"""Joining a running job: a SIGKILLed rank's replacement process (INPROCESS_JOIN=1) is admitted
+into its seat at the next restart, as a spare or an active rank; real processes, store, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import threading
+import time
+from typing import Any, Optional
+
+import pytest
+
+from conftest import WORKERS, leftover_processes
+from inprocess.launch import LocalJob
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Respawner:
+    """Stands in for a launcher that replaces a killed rank process: each process of the job that
+    dies of SIGKILL is replaced, after ``delay_s``, by one with the same seat and INPROCESS_JOIN=1."""
+
+    def __init__(self, job: LocalJob, delay_s: float = 0.2, max_per_seat: int = 3):
+        self.job = job
+        self.delay_s = delay_s
+        self.max_per_seat = max_per_seat
+        self.processes: list[tuple[int, int, subprocess.Popen[str]]] = [
+            (rp.rank, 0, rp.popen) for rp in job.ranks]
+        self.outputs: dict[tuple[int, int], str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="respawner", daemon=True)
+
+    def __enter__(self) -> "Respawner":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for _, _, popen in self.processes:
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(10)
+
+    def _run(self) -> None:
+        watched = list(self.processes)
+        while not self._stop.is_set() and watched:
+            for entry in list(watched):
+                seat, life, popen = entry
+                if popen.poll() is None:
+                    continue
+                watched.remove(entry)
+                if popen.returncode == -signal.SIGKILL and life < self.max_per_seat:
+                    time.sleep(self.delay_s)
+                    replacement = self.job.start_process(
+                        seat, {"INPROCESS_JOIN": "1", "INPROCESS_RESPAWN_COUNT": str(life + 1),
+                               "INPROCESS_TEST_DUMP_AFTER": "40"})
+                    new = (seat, life + 1, replacement)
+                    self.processes.append(new)
+                    watched.append(new)
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> dict[tuple[int, int], int]:
+        """Until every process, replacements included, exited; their exit statuses by (seat, life)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for _, _, p in self.processes) and not self._thread_busy():
+                break
+            time.sleep(0.1)
+        else:
+            running = [(s, lf) for s, lf, p in self.processes if p.poll() is None]
+            for _, _, popen in self.processes:
+                if popen.poll() is None:
+                    os.killpg(popen.pid, signal.SIGKILL)
+            for seat, life, popen in self.processes:
+                self.outputs[(seat, life)] = popen.communicate(timeout=10)[0] or ""
+            raise TimeoutError(f"processes still running after {timeout:g}s: {running}\n{self.describe()}")
+        for seat, life, popen in self.processes:
+            out, _ = popen.communicate(timeout=10)
+            self.outputs[(seat, life)] = out or ""
+        return {(seat, life): popen.returncode for seat, life, popen in self.processes}
+
+    def _thread_busy(self) -> bool:
+        # A SIGKILLed process whose replacement has not started yet.
+        return any(p.returncode == -signal.SIGKILL and life < self.max_per_seat
+                   and not any(s == seat and lf == life + 1 for s, lf, _ in self.processes)
+                   for seat, life, p in self.processes)
+
+    def describe(self) -> str:
+        text = ""
+        for seat, life, popen in self.processes:
+            out = self.outputs.get((seat, life))
+            if out is None and popen.poll() is not None and popen.stdout is not None:
+                try:
+                    out = popen.stdout.read()
+                except Exception:
+                    out = ""
+            text += f"--- seat {seat} life {life} (rc={popen.returncode}) ---\n{(out or '')[-4000:]}\n"
+        return text
+
+
+def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, timeout: float = 150.0,
+              env: Optional[dict[str, str]] = None) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any],
+                                                             str]:
+    out = tmp_path / "out"
+    out.mkdir()
+    job_env = {"INPROCESS_TEST_OUT": str(out), "INPROCESS_TEST_PLAN": json.dumps(plan),
+               "INPROCESS_TEST_DUMP_AFTER": str(timeout - 10), "INPROCESS_TEST_LOG": "INFO",
+               "INPROCESS_RESTART_STORM": "off"}
+    job_env.update(env or {})
+    with LocalJob([str(WORKERS / "join_worker.py")], world_size, env=job_env) as job:
+        with Respawner(job) as respawner:
+            codes = respawner.wait(timeout)
+            text = respawner.describe()
+            pgids = {p.pid for _, _, p in respawner.processes}
+        left = leftover_processes(pgids, grace=10.0)
+        assert not left, f"processes left running: {left}\n{text}"
+    logs = {}
+    for path in out.glob("seat*.life*.json"):
+        seat, life = path.stem.removeprefix("seat").split(".life")
+        logs[(int(seat), int(life))] = json.loads(path.read_text())
+    return codes, logs, text
+
+
+@pytest.mark.timeout(200)
+def test_a_respawned_rank_joins_as_the_spare_and_takes_over_at_the_next_fault(tmp_path: pathlib.Path) -> None:
+    """5 seats, 4 active and a spare. Seat 1 is SIGKILLed: the spare (seat 4) takes over, and the
+    respawned seat 1 waits as a joiner. Seat 2 is SIGKILLed once it waits: the joiner is admitted into
+    seat 1 and activated in the same restart; the respawned seat 2 waits, and the job's end closes it."""
+    # The ranks block in a collective while seat 2 waits for the joiner's start (seconds of imports
+    # on a loaded machine): the soft timeout must outlast it.
+    plan = {"steps": 90, "step_s": 0.03, "active": 4, "end_after_joiners": 1,
+            "wrapper": {"soft_timeout": 90, "hard_timeout": 120, "barrier_timeout": 150},
+            "kills": [{"seat": 1, "life": 0, "step": 10}, {"seat": 2, "life": 0, "step": 40, "after_joiners": 1}]}
+    codes, logs, text = run_joins(tmp_path, plan, world_size=5)
+    assert codes[(1, 0)] == -signal.SIGKILL and codes[(2, 0)] == -signal.SIGKILL, text
+    finishers = [(0, 0), (3, 0), (4, 0), (1, 1)]
+    for key in finishers + [(2, 1)]:
+        assert codes.get(key) == 0, f"{key}: {codes}\n{text}"
+    results = {key: logs[key]["result"] for key in finishers}
+    for key, result in results.items():
+        assert result["step"] == 90 and result["active_world_size"] == 4, (key, result)
+    params = {json.dumps(r["params"]) for r in results.values()}
+    assert len(params) == 1, f"the active ranks ended with different parameters: {results}"
+    # The joiner took seat 1 over in the second restart, and was activated by it.
+    restarts = results[(0, 0)]["restarts"]
+    assert [r["terminated"] for r in restarts] == [[1], [2]], json.dumps(restarts, indent=1)
+    assert restarts[1]["joined"] == [1] and 1 in restarts[1]["activated"], restarts
+    assert restarts[0]["joined"] == [] and restarts[0]["activated"] == [4], restarts
+    first = logs[(1, 1)]["iterations"][0]
+    assert first["iteration"] == 2 and first["start_step"] >= 40, logs[(1, 1)]
+    # Seat 2's replacement waited to the end, and returned like a spare.
+    assert logs[(2, 1)]["outcome"] == "returned" and logs[(2, 1)]["result"] is None, logs[(2, 1)]
+    # Told by the job's end, or (the store host exits right after) by the store going away.
+    assert ("did not join: the job ended" in text or "the store went away while this process waited to join"
+            in text), text[-3000:]

@@ -1,0 +1,167 @@
+"""A rank of a small gloo DDP job for the join tests: SIGKILLed processes, respawned ones that join.
+
+Configured by environment variables (the tests set them):
+  INPROCESS_TEST_OUT      directory for this process's JSON result, seat<r>.life<k>.json
+  INPROCESS_TEST_PLAN     JSON: {"steps": 60, "step_s": 0.02, "active": 4 (MaxActiveWorldSize; absent: all),
+                          "kills": [{"seat": 1, "life": 0, "step": 10}], "wrapper": {...}}
+  INPROCESS_RESPAWN_COUNT which life of its seat this process is (0: the job's first processes)
+
+The state a process resumes from is what a user's code would load: a checkpoint
+file that active rank 0 writes at every step (model, optimizer, step), read by
+every active rank at the start of every iteration. A process that takes a seat
+over (a spare or a joiner) thus starts from the same step as everyone.
+"""
+
+import datetime
+import faulthandler
+import io
+import json
+import logging
+import os
+import time
+
+import torch
+import torch._dynamo  # noqa: F401  (DDP imports it lazily: seconds, which a spare's first iteration must not pay)
+import torch.distributed as dist
+
+import inprocess
+
+PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))
+OUT = os.environ["INPROCESS_TEST_OUT"]
+SEAT = int(os.environ["RANK"])
+LIFE = int(os.environ.get("INPROCESS_RESPAWN_COUNT", "0"))
+CHECKPOINT = os.path.join(OUT, "checkpoint.pt")
+logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"),
+                    format=f"%(relativeCreated)d s{SEAT}.{LIFE} %(threadName)s %(message)s")
+if os.environ.get("INPROCESS_TEST_DUMP_AFTER"):
+    faulthandler.dump_traceback_later(float(os.environ["INPROCESS_TEST_DUMP_AFTER"]), exit=False)
+
+R = inprocess.rank_assignment
+log = {"seat": SEAT, "life": LIFE, "pid": os.getpid(), "iterations": []}
+
+
+def td(seconds):
+    return datetime.timedelta(seconds=seconds)
+
+
+def write_log():
+    path = os.path.join(OUT, f"seat{SEAT}.life{LIFE}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(log, f)
+    os.replace(path + ".tmp", path)
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def load_checkpoint(model, opt):
+    if not os.path.exists(CHECKPOINT):
+        return 0
+    saved = torch.load(CHECKPOINT)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return saved["step"]
+
+
+def save_checkpoint(model, opt, step):
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, CHECKPOINT + ".tmp")
+    os.replace(CHECKPOINT + ".tmp", CHECKPOINT)
+
+
+# What a process's first iteration would otherwise pay (lazy imports of the optimizer and of torch.save/load).
+_model, _opt = model_and_optimizer()
+_opt.step()
+_buffer = io.BytesIO()
+torch.save({"model": _model.state_dict(), "opt": _opt.state_dict()}, _buffer)
+_buffer.seek(0)
+torch.load(_buffer)
+kills = {k["step"]: k for k in PLAN.get("kills", []) if k["seat"] == SEAT and k.get("life", 0) == LIFE}
+
+
+def wait_for_joiners(count, timeout=60.0):
+    """Until ``count`` joiners announced themselves (a test's own look at the store, through
+    the engine's internals): the kill that follows then finds them waiting."""
+    from inprocess.control.joining import JoinKeys
+
+    p = inprocess.current_call()._runtime.protocol
+    keys = JoinKeys(p.counted, p.call, p.incarnation)
+    deadline = time.monotonic() + timeout
+
+    def waiting():
+        return [a for _, a in keys.pending()[1] if keys.read_outcome(a.token) is None]
+
+    while count and len(waiting()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+spec = PLAN.get("wrapper", {})
+assignment = R.ShiftRanks()
+if "active" in PLAN:
+    assignment = inprocess.Compose(R.MaxActiveWorldSize(PLAN["active"]), R.ActivateAllRanks(), R.ShiftRanks())
+wrapper = inprocess.Wrapper(
+    rank_assignment=assignment,
+    soft_timeout=td(spec.get("soft_timeout", 20)),
+    hard_timeout=td(spec.get("hard_timeout", 40)),
+    barrier_timeout=td(spec.get("barrier_timeout", 60)),
+    completion_timeout=td(spec.get("completion_timeout", 60)),
+    heartbeat_timeout=td(spec.get("heartbeat_timeout", 30)),
+)
+
+
+def restart_entry(r):
+    return {"iteration": r.iteration, "terminated": r.terminated, "joined": r.joined, "activated": r.activated,
+            "faults": [f"{f.rank}:{f.kind}:{f.type}:{f.message[:80]}" for f in r.faults]}
+
+
+@wrapper
+def train(call_wrapper: inprocess.CallWrapper = None):
+    state = call_wrapper.frozen_state
+    model, opt = model_and_optimizer()
+    step = load_checkpoint(model, opt)
+    log["iterations"].append({"iteration": call_wrapper.iteration, "active_rank": state.active_rank,
+                              "active_world_size": state.active_world_size, "world_size": state.world_size,
+                              "start_step": step})
+    write_log()
+    dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
+                            world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 30)))
+    # Every rank must resume at the same step: the checkpoint is the one truth.
+    steps = torch.tensor([step])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    assert int(steps) == step, f"seat {SEAT}: resumed at {step}, another rank at {int(steps)}"
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    while step < PLAN.get("steps", 60):
+        call_wrapper.ping()
+        if step in kills:
+            wait_for_joiners(kills[step].get("after_joiners", 0))
+            log["killed_at"] = step
+            write_log()
+            os.kill(os.getpid(), 9)
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True)).backward()
+        opt.step()
+        step += 1
+        with call_wrapper.atomic():
+            if state.active_rank == 0:
+                save_checkpoint(model, opt, step)
+        time.sleep(PLAN.get("step_s", 0.0))
+    # A test that wants the last joiner waiting when the job ends (closed, not too late to be told).
+    wait_for_joiners(PLAN.get("end_after_joiners", 0))
+    dist.destroy_process_group()
+    return {"step": step, "params": [p.detach().flatten().tolist() for p in model.parameters()],
+            "active_world_size": state.active_world_size, "world_size": state.world_size,
+            "iteration": call_wrapper.iteration,
+            "restarts": [restart_entry(r) for r in call_wrapper.restarts]}
+
+
+try:
+    result = train()
+    log["result"] = result
+    log["outcome"] = "returned"
+except BaseException as e:
+    log["outcome"] = f"{type(e).__name__}: {e}"
+    write_log()
+    raise
+write_log()
