@@ -27,9 +27,9 @@ def run_task(tmp_path: pathlib.Path, plan: list[str], **env: str) -> subprocess.
     """One task of a 4-task step: task 2, the first of its node."""
     standin = write_standin(tmp_path)
     full = launcher_env(tmp_path, {2: plan})
-    full.update(SLURM_PROCID="2", SLURM_NTASKS="4", SLURM_LOCALID="0", **env)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         full.pop(name, None)
+    full.update(SLURM_PROCID="2", SLURM_NTASKS="4", SLURM_LOCALID="0", **env)
     full["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{full['PATH']}"  # `python` is this one
     try:
         return subprocess.run(["bash", str(SCRIPT), str(standin), "a1"], env=full, capture_output=True, text=True,
@@ -71,6 +71,16 @@ def test_the_ranks_own_failure_is_not_respawned(tmp_path: pathlib.Path, status: 
     res = run_task(tmp_path, [f"exit:{status}", "ok"], RESPAWN_BACKOFF="0.1")
     assert res.returncode == status and not res.stderr, res.stderr
     assert len(lives(tmp_path, 2)) == 1
+
+
+def test_a_replacement_nodes_task_takes_the_rank_and_world_it_is_given_and_joins_from_its_first_process(
+        tmp_path: pathlib.Path) -> None:
+    # The recipe's replacement step: 4 tasks of their own (SLURM_NTASKS=4) in a job of 8, for ranks 4..7.
+    res = run_task(tmp_path, ["ok"], RANK_OFFSET="4", WORLD_SIZE="8", INPROCESS_JOIN="1")
+    assert res.returncode == 0, res.stderr
+    (life,) = lives(tmp_path, 6)
+    assert (life["env"]["RANK"], life["env"]["WORLD_SIZE"], life["env"]["LOCAL_RANK"]) == ("6", "8", "0")
+    assert life["env"]["INPROCESS_JOIN"] == "1" and "INPROCESS_RESPAWN_COUNT" not in life["env"]
 
 
 def test_no_respawn_once_another_rank_finished(tmp_path: pathlib.Path) -> None:

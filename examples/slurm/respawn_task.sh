@@ -17,8 +17,10 @@ set -uo pipefail
 
 RESPAWNS=${RESPAWNS:-3}
 RESPAWN_BACKOFF=${RESPAWN_BACKOFF:-1}
-export RANK=${RANK:-$SLURM_PROCID} WORLD_SIZE=${WORLD_SIZE:-$SLURM_NTASKS} LOCAL_RANK=${LOCAL_RANK:-$SLURM_LOCALID}
-unset INPROCESS_JOIN INPROCESS_RESPAWN_COUNT  # the first process starts with the job, it joins nothing
+# A replacement node's step sets WORLD_SIZE (the job's, not its own SLURM_NTASKS), RANK_OFFSET (the first
+# rank of the node it replaces) and INPROCESS_JOIN=1 (its first processes join too): README, "SLURM".
+export RANK=${RANK:-$((${RANK_OFFSET:-0} + SLURM_PROCID))} WORLD_SIZE=${WORLD_SIZE:-$SLURM_NTASKS}
+export LOCAL_RANK=${LOCAL_RANK:-$SLURM_LOCALID}
 
 count=0
 while :; do
