@@ -37,6 +37,8 @@ pytestmark = pytest.mark.multiprocess
 #   "sigkill"      SIGKILL itself;           "exit:N"  exit with status N;
 #   "sleep"        sleep (until killed);     "ok"      exit 0;
 #   "after:E"      exit 0 once the event file E exists in the output directory;
+#   "zombie:R"     once rank R's first process has exited and 0.5 s more, write its /proc state ("Z" for a
+#                  zombie, "" when reaped) to the event file "zombie", and exit 0.
 #   "gone:R:sigkill", "gone:R:ok"   once rank R's first process has exited (not even a zombie left) and the
 #                  launcher has seen it, SIGKILL itself or exit 0.
 # Each life writes the event "rank<r>.life<k>" (k = 0 for the first process) when it starts.
@@ -76,6 +78,20 @@ elif name == "sleep":
     time.sleep(600)
 elif name == "after":
     wait_until(lambda: os.path.exists(os.path.join(out, arg)))
+elif name == "zombie":
+    path = os.path.join(out, f"rank{arg}.jsonl")
+    wait_until(lambda: os.path.exists(path) and os.path.getsize(path) > 0)
+    with open(path) as f:
+        pid = json.loads(f.readline())["pid"]
+    wait_until(lambda: not running(pid))
+    time.sleep(0.5)  # ten polls of the launcher
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = ""
+    with open(os.path.join(out, "zombie"), "w") as f:
+        f.write(state)
 elif name == "gone":
     arg, then = arg.split(":")
     path = os.path.join(out, f"rank{arg}.jsonl")
@@ -190,6 +206,18 @@ def test_a_process_that_always_dies_at_once_is_respawned_n_times_with_a_growing_
     for gap, delay in zip(gaps, (0.3, 0.6, 1.2), strict=True):
         assert gap >= delay, gaps
     assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("respawn", ["0", "2"])
+def test_a_dead_rank_stays_a_zombie_until_the_job_ends_so_that_its_monitor_reads_its_status(
+        tmp_path: pathlib.Path, respawn: str) -> None:
+    # processes/monitor.py reads a dead rank's exit status from /proc while it is a zombie: the launcher
+    # sees the exit (waitid WNOWAIT) without reaping it. Rank 1's replacement (if any) finishes at once.
+    res = launch(tmp_path, 2, {0: ["zombie:1"], 1: ["sigkill", "ok"]}, "--respawn", respawn,
+                 "--respawn-backoff", "0.1")
+    assert (tmp_path / "out" / "zombie").read_text() == "Z", res.stderr
+    assert res.returncode == (0 if respawn == "2" else 137), res.stderr
 
 
 def test_the_back_off_doubles_up_to_its_cap_and_bad_settings_are_refused() -> None:

@@ -414,9 +414,12 @@ class Supervisor:
                 raise KeyboardInterrupt(signal.Signals(self.stop_signal).name)
             now = time.monotonic()
             # Every exit seen first, then each decided: two ranks that died together see each other dead.
-            exited = [seat for seat in self.seats if seat.running() and seat.last.popen.poll() is not None]
-            for seat in exited:
-                seat.last.returncode = seat.last.popen.returncode
+            exited = []
+            for seat in self.seats:
+                if seat.running():
+                    seat.last.returncode = exit_status_unreaped(seat.last.popen)
+                    if seat.last.returncode is not None:
+                        exited.append(seat)
             for seat in exited:
                 self._exited(seat, now)
             for seat in self.seats:
@@ -467,6 +470,26 @@ class Supervisor:
         if not any(s.running() for s in others):
             return "no other rank is running (nothing to join)"
         return None
+
+
+def exit_status_unreaped(popen: subprocess.Popen[str]) -> Optional[int]:
+    """The process's returncode (as Popen's: -N for signal N) once it exited, without reaping it; None
+    while it runs.
+
+    A dead rank stays a zombie until the job ends (:meth:`LocalJob.kill` reaps it), as it did when the
+    launcher waited for the ranks in rank order: its monitor reads its exit status from /proc while it
+    is one (processes/monitor.py, ``_zombie_status``), and its pid, its process group's id, cannot be
+    reused by another process before the launcher's last ``killpg``.
+    """
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere: Popen knows, or nobody does
+        return popen.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _say(line: str) -> None:
