@@ -56,10 +56,8 @@ class Respawner:
                 watched.remove(entry)
                 if popen.returncode == -signal.SIGKILL and life < self.max_per_seat:
                     time.sleep(self.delay_s)
-                    replacement = self.job.start_process(
-                        seat, {"INPROCESS_JOIN": "1", "INPROCESS_RESPAWN_COUNT": str(life + 1),
-                               "INPROCESS_TEST_DUMP_AFTER": "40"})
-                    new = (seat, life + 1, replacement)
+                    replacement = self.job.respawn(seat, life + 1)
+                    new = (seat, life + 1, replacement.popen)
                     self.processes.append(new)
                     watched.append(new)
             time.sleep(0.05)

@@ -51,6 +51,17 @@ CHECKED_ELSEWHERE = {
     "export TORCH_NCCL_RETHROW_CUDA_ERRORS=0": "a setting; tests/test_gpu_settings.py shows exit 76 with it",
     "export TORCH_NCCL_NONBLOCKING_TIMEOUT=20": "a setting; tests/test_gpu_settings.py checks the warning about it",
     "python -m inprocess.gpu.acceptance --out acceptance/": "tests/test_gpu_acceptance.py runs its no-GPU mode",
+    "python -m inprocess.launch --nproc 4 --respawn 3 train.py":
+        "train.py stands for the user's script; tests/test_launch_respawn.py runs --respawn with stand-in ranks",
+    "srun --kill-on-bad-exit=0 --wait=0 examples/slurm/respawn_task.sh train.py":
+        "no SLURM here; tests/test_slurm_respawn_task.py runs respawn_task.sh as srun runs a task",
+    'INPROCESS_JOIN=1 RANK_OFFSET=4 WORLD_SIZE=8 srun --jobid="$SLURM_JOB_ID" --nodes=1 --ntasks=4 '
+    '--nodelist="$SPARE_NODE" --kill-on-bad-exit=0 --wait=0 examples/slurm/respawn_task.sh train.py':
+        "no SLURM here; tests/test_slurm_respawn_task.py runs a replacement node's task (RANK_OFFSET, "
+        "WORLD_SIZE, INPROCESS_JOIN) as srun would",
+    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 train.py":
+        "train.py stands for the user's script; tests/test_torchrun_worker_death.py runs torchrun so "
+        "(--max-restarts 1) and asserts what it does when a worker dies",
     'INPROCESS_FAULTS="sigkill@rank=2,step=30;exception@rank=1,after=5s,iteration=1" '
     "python -m inprocess.launch --nproc 4 train.py": "train.py stands for the user's script; "
                                                      "tests/test_examples.py runs such plans on the examples",

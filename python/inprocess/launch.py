@@ -15,6 +15,14 @@ job finished: every rank returned 0 or was excluded by a restart that the
 others recovered from (the ranks' events say which); else, and always with
 ``--strict``, the first non-zero status in rank order (128 + the signal for a
 killed rank).
+
+``--respawn N`` replaces a rank's process that must be replaced (killed by a
+signal, or exited with 75 or 76: :func:`replacement_reason`) while the job
+runs: the same seat's environment plus ``INPROCESS_JOIN=1`` and
+``INPROCESS_RESPAWN_COUNT=k``, at most N times per rank, after a back-off
+(``--respawn-backoff``, doubled per respawn of the rank). The new process joins
+the running job; the summary counts seats and respawns (:class:`Supervisor`,
+:func:`summarize`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,18 @@ OMP_WARNING = (
     "*****************************************"
 )
 EVENTS_VAR = "INPROCESS_EVENTS_DIR"  # inprocess/events.py: where each rank appends its events
+# Set on a respawned process only: "1", this process joins a job that is running (the join protocol reads
+# it), and the how-manyth replacement of its seat it is (1, 2, ...).
+JOIN_VAR = "INPROCESS_JOIN"
+RESPAWN_COUNT_VAR = "INPROCESS_RESPAWN_COUNT"
+# The exit statuses with which a rank leaves so that its process is replaced (README, "Exit statuses"):
+# inprocess.engine.trigger.EXIT_CODE_UNRELEASABLE and inprocess.gpu.errors.EXIT_CODE_CONTEXT_LOST. Not
+# imported from there: that would import torch into the launcher (tests/test_launch_respawn.py compares).
+REPLACE_ME_STATUSES = {
+    75: "the main thread could not be released after the abort",
+    76: "the CUDA context is lost",
+}
+RESPAWN_BACKOFF_CAP_S = 30.0  # the longest wait between two respawns of one seat (unless the base is longer)
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -134,19 +154,20 @@ class LocalJob:
         # As torchrun: several processes and no OMP_NUM_THREADS of the user's -> 1 thread each. torchrun
         # counts the processes of one node; every fake node here shares this machine, so all of them count.
         self.sets_omp_num_threads = world_size > 1 and "OMP_NUM_THREADS" not in {**os.environ, **self.env}
-        self.ranks: list[RankProcess] = []
+        self.ranks: list[RankProcess] = []  # the first process of each rank, in rank order
+        self.respawned: list[RankProcess] = []  # the replacements (:meth:`respawn`), oldest first
 
     def __enter__(self) -> "LocalJob":
         try:
             for rank in range(self.world_size):
-                self.ranks.append(RankProcess(rank, self.start_process(rank)))
+                self.ranks.append(self._start(rank, {}))
         except BaseException:
             self.kill()
             raise
         return self
 
     def rank_env(self, rank: int) -> dict[str, str]:
-        """The environment of ``rank``'s process: this one's, the job's, and what torchrun would set."""
+        """The environment rank ``rank``'s process starts with: the launcher's, the job's, torchrun's numbers."""
         env = dict(os.environ)
         env.update(self.env)
         env.update(
@@ -170,19 +191,28 @@ class LocalJob:
             env["OMP_NUM_THREADS"] = "1"
         return env
 
-    def start_process(self, rank: int, extra_env: Optional[dict[str, str]] = None) -> subprocess.Popen[str]:
-        """Start a process for ``rank`` (its first, or one that replaces it: ``extra_env``)."""
-        env = self.rank_env(rank)
-        env.update(extra_env or {})
+    def _start(self, rank: int, extra_env: dict[str, str]) -> RankProcess:
         out = subprocess.PIPE if self.capture else None
-        return subprocess.Popen(
+        popen = subprocess.Popen(
             [self.python, *self.argv],
-            env=env,
+            env={**self.rank_env(rank), **extra_env},
             stdout=out,
             stderr=subprocess.STDOUT if self.capture else None,
             text=True,
             start_new_session=True,  # one process group per rank: killpg reaps its children too
         )
+        return RankProcess(rank, popen)
+
+    def respawn(self, rank: int, count: int) -> RankProcess:
+        """Start the ``count``-th replacement of rank ``rank``'s process: the seat's environment, plus
+        :data:`JOIN_VAR` (it joins a running job) and :data:`RESPAWN_COUNT_VAR`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r}: expected 0..{self.world_size - 1}")
+        if count < 1:
+            raise ValueError(f"count={count!r}: expected the replacement's number, >= 1")
+        rp = self._start(rank, {JOIN_VAR: "1", RESPAWN_COUNT_VAR: str(count)})
+        self.respawned.append(rp)
+        return rp
 
     def _local_world_size(self, rank: int) -> int:
         """Ranks on this rank's node: the last node may hold fewer."""
@@ -207,13 +237,14 @@ class LocalJob:
         return "\n".join(f"--- rank {rp.rank} (rc={rp.returncode})\n{rp.output}" for rp in self.ranks)
 
     def kill(self) -> None:
-        for rp in self.ranks:
+        every = self.ranks + self.respawned
+        for rp in every:
             if rp.popen.poll() is None:
                 try:
                     os.killpg(rp.popen.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for rp in self.ranks:
+        for rp in every:
             try:
                 out, _ = rp.popen.communicate(timeout=10)
                 rp.output = rp.output or (out or "")
@@ -298,13 +329,186 @@ def describe_status(returncode: Optional[int]) -> str:
     return f"exited with status {returncode}"
 
 
-def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], strict: bool) -> tuple[str, int]:
+def replacement_reason(returncode: Optional[int]) -> Optional[str]:
+    """Why a rank's process that exited must be replaced, or None when it left the job on its own terms.
+
+    A process killed by a signal is gone without having left (SIGKILL, a segfault, the OOM killer, the
+    monitor's hard timeout); 75 and 76 are the wrapper's "replace this process" (:data:`REPLACE_ME_STATUSES`).
+    Any other status is the rank's own end: 0, it finished; else it left with its exception (a rank
+    excluded by a restart, or a failed job), and a new process would only repeat it.
+    """
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return describe_status(returncode)
+    if returncode in REPLACE_ME_STATUSES:
+        return f"exited with status {returncode} ({REPLACE_ME_STATUSES[returncode]})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RespawnPolicy:
+    """At most ``max_per_seat`` replacements per rank, the k-th one ``backoff_s * 2**(k-1)`` seconds after the
+    death that asks for it, at most :data:`RESPAWN_BACKOFF_CAP_S` (or ``backoff_s``, if that is longer)."""
+
+    max_per_seat: int = 0
+    backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if type(self.max_per_seat) is not int or self.max_per_seat < 0:
+            raise ValueError(f"max_per_seat={self.max_per_seat!r}: expected a number of respawns >= 0")
+        if not self.backoff_s > 0 or math.isinf(self.backoff_s):
+            raise ValueError(f"backoff_s={self.backoff_s!r}: expected a number of seconds > 0")
+
+    def delay(self, attempt: int) -> float:
+        """The wait before the ``attempt``-th respawn (1, 2, ...) of one seat."""
+        return min(self.backoff_s * 2.0 ** min(attempt - 1, 64), max(RESPAWN_BACKOFF_CAP_S, self.backoff_s))
+
+
+@dataclasses.dataclass
+class Seat:
+    """One rank's place in the job: its processes, the first and its replacements, oldest first."""
+
+    rank: int
+    lives: list[RankProcess]
+    respawn_at: Optional[float] = None  # time.monotonic() of the pending respawn
+    respawn_reason: str = ""  # why the pending respawn replaces the last process
+    empty_because: str = ""  # why a process that had to be replaced was not
+
+    @property
+    def respawns(self) -> int:
+        return len(self.lives) - 1
+
+    @property
+    def last(self) -> RankProcess:
+        return self.lives[-1]
+
+    def running(self) -> bool:
+        return self.last.returncode is None
+
+
+class Supervisor:
+    """Waits for every seat of a :class:`LocalJob` once started, respawning a seat whose process had to be
+    replaced (:func:`replacement_reason`) while the job runs, within :class:`RespawnPolicy`.
+
+    A seat is respawned only while the job goes on: not once a rank finished (it exits 0 when the job
+    completed), nor when no other rank's process runs (a joiner needs a running job to join). A respawn
+    pending then is dropped. Each decision is one line on stderr.
+    """
+
+    POLL_S = 0.05  # how often the processes are polled: what a death costs before it is seen
+
+    def __init__(self, job: LocalJob, policy: RespawnPolicy):
+        self.job = job
+        self.policy = policy
+        self.seats: list[Seat] = []  # from the job's ranks, once it started
+        self.stop_signal: Optional[int] = None  # set by a signal handler: the loop raises KeyboardInterrupt
+
+    def wait(self, timeout: Optional[float]) -> list[Seat]:
+        """Until every seat's last process exited and no respawn is pending. Raises TimeoutError past
+        ``timeout`` and KeyboardInterrupt once :attr:`stop_signal` is set; the caller kills the job."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.seats = [Seat(rp.rank, [rp]) for rp in self.job.ranks]
+        while True:
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt(signal.Signals(self.stop_signal).name)
+            now = time.monotonic()
+            # Every exit seen first, then each decided: two ranks that died together see each other dead.
+            exited = []
+            for seat in self.seats:
+                if seat.running():
+                    seat.last.returncode = exit_status_unreaped(seat.last.popen)
+                    if seat.last.returncode is not None:
+                        exited.append(seat)
+            for seat in exited:
+                self._exited(seat, now)
+            for seat in self.seats:
+                if seat.respawn_at is not None and seat.respawn_at <= now:
+                    self._respawn(seat)
+            pending = [seat.respawn_at for seat in self.seats if seat.respawn_at is not None]
+            if not pending and not any(seat.running() for seat in self.seats):
+                return self.seats
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"the job did not finish within {timeout:g}s")
+            time.sleep(max(0.0, min([self.POLL_S, *(at - now for at in pending)])))
+
+    def _exited(self, seat: Seat, now: float) -> None:
+        reason = replacement_reason(seat.last.returncode)
+        if reason is None or self.policy.max_per_seat == 0:
+            return
+        limit = self.policy.max_per_seat
+        if seat.respawns >= limit:
+            seat.empty_because = f"no respawn left: {limit} of {limit} used; the seat stays empty"
+        else:
+            ending = self._job_ending(seat)
+            if ending is None:
+                attempt = seat.respawns + 1
+                delay = self.policy.delay(attempt)
+                seat.respawn_at, seat.respawn_reason = now + delay, reason
+                _say(f"respawning rank {seat.rank} (attempt {attempt} of {limit}) in {delay:g}s: {reason}")
+                return
+            seat.empty_because = f"not respawned: {ending}"
+        _say(f"rank {seat.rank} {reason}; {seat.empty_because}")
+
+    def _respawn(self, seat: Seat) -> None:
+        seat.respawn_at = None
+        ending = self._job_ending(seat)
+        if ending is not None:
+            seat.empty_because = f"not respawned: {ending}"
+            _say(f"rank {seat.rank}: the pending respawn is dropped: {ending}")
+            return
+        seat.lives.append(self.job.respawn(seat.rank, seat.respawns + 1))
+        _say(f"rank {seat.rank} respawned (attempt {seat.respawns} of {self.policy.max_per_seat}, "
+             f"pid {seat.last.popen.pid}, {RESPAWN_COUNT_VAR}={seat.respawns})")
+
+    def _job_ending(self, seat: Seat) -> Optional[str]:
+        """Why the job is ending for ``seat``'s respawn, or None while it runs."""
+        others = [s for s in self.seats if s is not seat]
+        finished = [s.rank for s in others if s.last.returncode == 0]
+        if finished:
+            return f"the job is ending (rank {finished[0]} finished)"
+        if not any(s.running() for s in others):
+            return "no other rank is running (nothing to join)"
+        return None
+
+
+def exit_status_unreaped(popen: subprocess.Popen[str]) -> Optional[int]:
+    """The process's returncode (as Popen's: -N for signal N) once it exited, without reaping it; None
+    while it runs.
+
+    A dead rank stays a zombie until the job ends (:meth:`LocalJob.kill` reaps it), as it did when the
+    launcher waited for the ranks in rank order: its monitor reads its exit status from /proc while it
+    is one (processes/monitor.py, ``_zombie_status``), and its pid, its process group's id, cannot be
+    reused by another process before the launcher's last ``killpg``.
+    """
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere: Popen knows, or nobody does
+        return popen.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _say(line: str) -> None:
+    print(f"inprocess.launch: {line}", file=sys.stderr, flush=True)
+
+
+def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], strict: bool,
+              seats: Optional[Sequence[Seat]] = None) -> tuple[str, int]:
     """The summary line and the launcher's exit status.
 
     The job finished when every rank returned 0, or was excluded by a restart's decision while a rank
     that was not excluded returned 0: the others recovered from its fault and ended the job. Without
     events nothing tells a recovered fault, so any non-zero rank fails the job. A failed job (and any job,
     ``strict``) exits with the first non-zero status in rank order.
+
+    With ``seats`` (``--respawn``), ``returncodes`` are each seat's last process's: a process that was
+    replaced fails nothing by itself, its replacement's status counts. The line counts seats and
+    respawns and names each replaced process ("(respawned)") and each seat left empty, and why; with
+    ``strict`` the status is the first non-zero one of any process, seat by seat, oldest first.
     """
     statuses = [_exit_status(rc) for rc in returncodes]
     excluded = seen.excluded if seen is not None else set()
@@ -312,15 +516,24 @@ def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], 
     lost = [r for r, status in enumerate(statuses) if status != 0]
     recovered = bool(lost) and all(r in excluded for r in lost) and any(r not in excluded for r in finished)
     job_finished = not lost or recovered
-    parts = [f"{len(finished)} of {len(statuses)} ranks finished"]
+    parts = [f"{len(finished)} of {len(statuses)} {'ranks' if seats is None else 'seats'} finished"]
     if seen is None:
         parts.append("restarts unknown (no rank wrote events)")
     else:
         parts.append(f"{seen.restarts} restart{'' if seen.restarts == 1 else 's'}")
+    every_status = statuses
+    if seats is not None:
+        respawns = sum(seat.respawns for seat in seats)
+        parts.append(f"{respawns} respawn{'' if respawns == 1 else 's'}")
+        for seat in seats:
+            parts.extend(f"rank {seat.rank} {describe_status(rp.returncode)} (respawned)" for rp in seat.lives[:-1])
+        every_status = [_exit_status(rp.returncode) for seat in seats for rp in seat.lives]
     for r in lost:
         why = describe_status(returncodes[r])
+        if seats is not None and seats[r].empty_because:
+            why += f" ({seats[r].empty_because})"
         parts.append(f"rank {r} {why}" + (", excluded by a restart" if r in excluded else ""))
-    status = next((s for s in statuses if s), 0)
+    status = next((s for s in (every_status if strict else statuses) if s), 0)
     if job_finished and not strict:
         status = 0
     verdict = "job finished" if job_finished else "job failed"
@@ -337,6 +550,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="consecutive ranks per fake node (LOCAL_WORLD_SIZE); default: one node")
     parser.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free port)")
     parser.add_argument("--timeout", type=float, default=None, help="kill every rank after this many seconds")
+    parser.add_argument("--respawn", type=int, default=0, metavar="N",
+                        help="replace a rank's process that was killed by a signal or exited with 75 or 76, at "
+                             "most N times per rank, while the job runs; the new process gets "
+                             f"{JOIN_VAR}=1 and {RESPAWN_COUNT_VAR}=<k> (default 0: never)")
+    parser.add_argument("--respawn-backoff", type=float, default=1.0, metavar="SECONDS",
+                        help="wait before a rank's first respawn, doubled for each next one of that rank, "
+                             f"at most {RESPAWN_BACKOFF_CAP_S:g}s (default 1)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with the first non-zero rank status even when the others recovered and finished")
     parser.add_argument("script", help="the Python script each rank runs")
@@ -348,6 +568,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--port={ns.port}: expected a TCP port in 1..65535")
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout={ns.timeout}: expected a number of seconds > 0")
+    if ns.respawn < 0:
+        parser.error(f"--respawn={ns.respawn}: expected a number of respawns per rank >= 0")
+    if not ns.respawn_backoff > 0 or math.isinf(ns.respawn_backoff):
+        parser.error(f"--respawn-backoff={ns.respawn_backoff}: expected a number of seconds > 0")
     if not os.path.isfile(ns.script):
         parser.error(f"script {ns.script!r}: no such file")
     # The ranks' events tell a rank excluded by a recovered restart from a failed job: the user's
@@ -372,21 +596,29 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace, events_dir: st
     if job.sets_omp_num_threads:
         print(OMP_WARNING, file=sys.stderr)
 
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+    supervisor = Supervisor(job, RespawnPolicy(ns.respawn, ns.respawn_backoff))
 
-    signal.signal(signal.SIGTERM, stop)
-    with job:
-        try:
-            ranks = job.wait(ns.timeout)
-        except TimeoutError:
-            print(f"inprocess.launch: the job did not finish within {ns.timeout:g}s; every rank was killed",
-                  file=sys.stderr)
-            return 124
-        except KeyboardInterrupt:
-            print("inprocess.launch: interrupted; every rank was killed", file=sys.stderr)
-            return 130
-    line, status = summarize([rp.returncode for rp in ranks], events.read(), ns.strict)
+    def stop(signum: int, _frame: object) -> None:
+        # Noted, not raised here: an exception between a respawn's fork and its bookkeeping would leak it.
+        supervisor.stop_signal = signum
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with job:
+            try:
+                seats = supervisor.wait(ns.timeout)
+            except TimeoutError:
+                print(f"inprocess.launch: the job did not finish within {ns.timeout:g}s; every rank was killed",
+                      file=sys.stderr)
+                return 124
+            except KeyboardInterrupt:
+                print("inprocess.launch: interrupted; every rank was killed", file=sys.stderr)
+                return 130
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    line, status = summarize([seat.last.returncode for seat in seats], events.read(), ns.strict,
+                             seats if ns.respawn > 0 else None)
     print(line, file=sys.stderr)
     return status
 
