@@ -3,7 +3,8 @@
 Configured by environment variables (the tests set them):
   INPROCESS_TEST_OUT      directory for this process's JSON result, seat<r>.life<k>.json
   INPROCESS_TEST_PLAN     JSON: {"steps": 60, "step_s": 0.02, "active": 4 (MaxActiveWorldSize; absent: all),
-                          "kills": [{"seat": 1, "life": 0, "step": 10}], "wrapper": {...}}
+                          "kills": [{"seat": 1, "life": 0, "step": 10}, {"active_rank": 2, "step": 20,
+                          "after_joiners": 1}], "end_after_joiners": 1, "wrapper": {...}}
   INPROCESS_RESPAWN_COUNT which life of its seat this process is (0: the job's first processes)
 
 The state a process resumes from is what a user's code would load: a checkpoint
@@ -78,7 +79,26 @@ _buffer = io.BytesIO()
 torch.save({"model": _model.state_dict(), "opt": _opt.state_dict()}, _buffer)
 _buffer.seek(0)
 torch.load(_buffer)
-kills = {k["step"]: k for k in PLAN.get("kills", []) if k["seat"] == SEAT and k.get("life", 0) == LIFE}
+
+
+def kill_here(step, active_rank):
+    """The kill of the plan due here, if any: by seat and life, or by active rank (whoever holds it
+    at that step). Each fires once in the whole job (a marker file), also when a restart resumes
+    the job at its step."""
+    for index, k in enumerate(PLAN.get("kills", [])):
+        if k["step"] != step:
+            continue
+        if "active_rank" in k:
+            if k["active_rank"] != active_rank:
+                continue
+        elif k["seat"] != SEAT or k.get("life", 0) != LIFE:
+            continue
+        try:
+            os.close(os.open(os.path.join(OUT, f"kill{index}.fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        return k
+    return None
 
 
 def wait_for_joiners(count, timeout=60.0):
@@ -132,8 +152,9 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     while step < PLAN.get("steps", 60):
         call_wrapper.ping()
-        if step in kills:
-            wait_for_joiners(kills[step].get("after_joiners", 0))
+        kill = kill_here(step, state.active_rank)
+        if kill is not None:
+            wait_for_joiners(kill.get("after_joiners", 0))
             log["killed_at"] = step
             write_log()
             os.kill(os.getpid(), 9)
