@@ -203,14 +203,14 @@ class LocalJob:
         )
         return RankProcess(rank, popen)
 
-    def respawn(self, rank: int, count: int) -> RankProcess:
+    def respawn(self, rank: int, count: int, extra_env: Optional[dict[str, str]] = None) -> RankProcess:
         """Start the ``count``-th replacement of rank ``rank``'s process: the seat's environment, plus
-        :data:`JOIN_VAR` (it joins a running job) and :data:`RESPAWN_COUNT_VAR`."""
+        :data:`JOIN_VAR` (it joins a running job), :data:`RESPAWN_COUNT_VAR` and ``extra_env``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank!r}: expected 0..{self.world_size - 1}")
         if count < 1:
             raise ValueError(f"count={count!r}: expected the replacement's number, >= 1")
-        rp = self._start(rank, {JOIN_VAR: "1", RESPAWN_COUNT_VAR: str(count)})
+        rp = self._start(rank, {**(extra_env or {}), JOIN_VAR: "1", RESPAWN_COUNT_VAR: str(count)})
         self.respawned.append(rp)
         return rp
 

@@ -39,15 +39,16 @@ def job_config(wrapper: Any, fn: Callable[..., Any]) -> dict[str, str]:
     """What a joiner's configuration must share with the job's, as plain strings: the wrapped
     function, the world's shape, the timeouts and the rank assignment."""
     t = wrapper.timeouts
-    timeouts = ",".join(f"{name}={getattr(t, name)}" for name in sorted(vars(t)) if not name.startswith("_"))
     module = getattr(fn, "__module__", "?")
     qualname = getattr(fn, "__qualname__", type(fn).__name__)
-    return {
+    config = {
         "function": f"{module}.{qualname}",
         "initial_world_size": os.environ.get("WORLD_SIZE", "?"),
-        "timeouts": timeouts,
-        "rank_assignment": repr(type(wrapper.rank_assignment).__name__),
+        "rank_assignment": type(wrapper.rank_assignment).__name__,
     }
+    # One entry per timeout, so that a refusal names the one that differs.
+    config.update({name: str(value) for name, value in sorted(vars(t).items()) if not name.startswith("_")})
+    return config
 
 
 def wait_for_admission(
