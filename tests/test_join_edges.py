@@ -57,7 +57,8 @@ def test_a_job_meets_every_kind_of_joiner(tmp_path: pathlib.Path) -> None:
             until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
             doomed = job.respawn(3, 1)
             until("the first joiner announced", lambda: outcome_of(keys, doomed.popen.pid) is None)
-            os.kill(doomed.popen.pid, signal.SIGKILL)  # the process only, as the OOM killer would: its monitor withdraws it
+            # The process only, as the OOM killer would: its monitor withdraws it.
+            os.kill(doomed.popen.pid, signal.SIGKILL)
             until("the killed joiner withdrawn", lambda: isinstance(o := outcome_of(keys, doomed.popen.pid), Outcome)
                   and o.kind == "gone")
             stale = job.respawn(0, 1, {"TORCHELASTIC_RUN_ID": "another-run", "TORCHELASTIC_RESTART_COUNT": "3"})
@@ -73,8 +74,8 @@ def test_a_job_meets_every_kind_of_joiner(tmp_path: pathlib.Path) -> None:
                              for rp in every)
         except BaseException:
             job.kill()
-            print("\n".join(f"--- rank {rp.rank} pid {rp.popen.pid} rc={rp.popen.returncode}\n{(rp.output or '')[-3000:]}"
-                            for rp in job.ranks + job.respawned))
+            for rp in job.ranks + job.respawned:
+                print(f"--- rank {rp.rank} pid {rp.popen.pid} rc={rp.popen.returncode}\n{(rp.output or '')[-3000:]}")
             raise
         finally:
             job.kill()
