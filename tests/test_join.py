@@ -103,7 +103,7 @@ class Respawner:
 
 
 def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, timeout: float = 150.0,
-              env: Optional[dict[str, str]] = None) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any],
+              env: Optional[dict[str, str]] = None, ranks_per_node: Optional[int] = None) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any],
                                                              str]:
     out = tmp_path / "out"
     out.mkdir()
@@ -111,7 +111,7 @@ def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, tim
                "INPROCESS_TEST_DUMP_AFTER": str(timeout - 10), "INPROCESS_TEST_LOG": "INFO",
                "INPROCESS_RESTART_STORM": "off"}
     job_env.update(env or {})
-    with LocalJob([str(WORKERS / "join_worker.py")], world_size, env=job_env) as job:
+    with LocalJob([str(WORKERS / "join_worker.py")], world_size, env=job_env, ranks_per_node=ranks_per_node) as job:
         with Respawner(job) as respawner:
             codes = respawner.wait(timeout)
             text = respawner.describe()
@@ -126,16 +126,19 @@ def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, tim
 
 
 @pytest.mark.timeout(200)
-def test_a_respawned_rank_joins_as_the_spare_and_takes_over_at_the_next_fault(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "node agents"])
+def test_a_respawned_rank_joins_as_the_spare_and_takes_over_at_the_next_fault(
+        tmp_path: pathlib.Path, ranks_per_node: Optional[int]) -> None:
     """5 seats, 4 active and a spare. Seat 1 is SIGKILLed: the spare (seat 4) takes over, and the
     respawned seat 1 waits as a joiner. Seat 2 is SIGKILLed once it waits: the joiner is admitted into
-    seat 1 and activated in the same restart; the respawned seat 2 waits, and the job's end closes it."""
+    seat 1 and activated in the same restart; the respawned seat 2 waits, and the job's end closes it.
+    With 2 ranks per node, the others arrive through their node agents, the joiner directly."""
     # The ranks block in a collective while seat 2 waits for the joiner's start (seconds of imports
     # on a loaded machine): the soft timeout must outlast it.
     plan = {"steps": 90, "step_s": 0.03, "active": 4, "end_after_joiners": 1,
             "wrapper": {"soft_timeout": 90, "hard_timeout": 120, "barrier_timeout": 150},
             "kills": [{"seat": 1, "life": 0, "step": 10}, {"seat": 2, "life": 0, "step": 40, "after_joiners": 1}]}
-    codes, logs, text = run_joins(tmp_path, plan, world_size=5)
+    codes, logs, text = run_joins(tmp_path, plan, world_size=5, ranks_per_node=ranks_per_node)
     assert codes[(1, 0)] == -signal.SIGKILL and codes[(2, 0)] == -signal.SIGKILL, text
     finishers = [(0, 0), (3, 0), (4, 0), (1, 1)]
     for key in finishers + [(2, 1)]:
