@@ -102,9 +102,12 @@ class Respawner:
         return text
 
 
+Outputs = tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any], str]
+
+
 def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, timeout: float = 150.0,
-              env: Optional[dict[str, str]] = None, ranks_per_node: Optional[int] = None) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any],
-                                                             str]:
+              env: Optional[dict[str, str]] = None, ranks_per_node: Optional[int] = None) -> Outputs:
+    """The job's exit statuses and results by (seat, life), and every process's output."""
     out = tmp_path / "out"
     out.mkdir()
     job_env = {"INPROCESS_TEST_OUT": str(out), "INPROCESS_TEST_PLAN": json.dumps(plan),
