@@ -4,6 +4,7 @@ into its seat at the next restart, as a spare or an active rank; real processes,
 from __future__ import annotations
 
 import json
+import re
 import os
 import pathlib
 import signal
@@ -206,3 +207,29 @@ def test_five_kills_under_the_launchers_respawn_end_with_the_world_and_a_spare(t
         if index > 0:
             assert len(restart["joined"]) == 1 and restart["joined"] == restart["activated"], restart
     assert "5 respawns" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_without_spares_a_loss_shrinks_the_world_and_a_grow_at_a_safe_point_takes_the_joiner_back(
+        tmp_path: pathlib.Path) -> None:
+    """4 seats, all active, GrowPolicy(check_every=5). Seat 2 is SIGKILLed: the job goes on with 3.
+    Its respawned process waits; at the end of an atomic() block (a safe point) every rank stops,
+    the job restarts on purpose (a grow, not a fault), admits the joiner and runs with 4 again."""
+    plan = {"steps": 30, "until_world": 4, "step_s": 0.03, "active": 4, "grow": {"check_every": 5},
+            "kills": [{"seat": 2, "life": 0, "step": 10}],
+            "wrapper": {"soft_timeout": 90, "hard_timeout": 120, "barrier_timeout": 150}}
+    codes, logs, text = run_joins(tmp_path, plan, world_size=4)
+    assert codes == {(0, 0): 0, (1, 0): 0, (2, 0): -signal.SIGKILL, (3, 0): 0, (2, 1): 0}, text
+    finishers = {key: logs[key]["result"] for key in [(0, 0), (1, 0), (3, 0), (2, 1)]}
+    assert {r["active_world_size"] for r in finishers.values()} == {4}, finishers
+    assert len({json.dumps(r["params"]) for r in finishers.values()}) == 1
+    assert len({r["step"] for r in finishers.values()}) == 1
+    restarts = finishers[(0, 0)]["restarts"]
+    assert len(restarts) == 2, json.dumps(restarts, indent=1)
+    assert restarts[0]["terminated"] == [2] and restarts[0]["joined"] == [], restarts
+    grow = restarts[1]
+    assert grow["causes"] == ["grow"] and grow["terminated"] == [], grow
+    assert grow["joined"] == [2] and grow["activated"] == [2], grow
+    # Recorded by whichever rank arrived last at the grow point.
+    assert re.search(r"grow after iteration 1: cause: rank \d grow: Grow: 1 joiner waiting, 1 seat empty", text), \
+        text[-4000:]

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .compose import Compose
+from .engine.grow import GrowPolicy
 from .exception import (
     HealthCheckError,
     InternalError,
@@ -87,6 +88,7 @@ __all__ = [
     "CallWrapper",
     "Compose",
     "FrozenState",
+    "GrowPolicy",
     "HealthCheckError",
     "InternalError",
     "Mode",

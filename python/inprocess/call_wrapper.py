@@ -33,6 +33,7 @@ from .control import joining, protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine import join
+from .engine.grow import GrowPoints
 from .engine.interrupt import interrupted_by
 from .engine.leave import (
     Leave,
@@ -109,6 +110,7 @@ class CallWrapper:
         # INPROCESS_JOIN=1: this process joins a running job (control/joining.py) with this token.
         self._join_token = ""
         self._job_config: dict[str, str] = {}
+        self._grow: Optional[GrowPoints] = None  # the job's safe points (Wrapper(grow=...)): engine/grow.py
 
     # -- public API (used from inside the wrapped function) --------------------
 
@@ -133,6 +135,27 @@ class CallWrapper:
         """
         with self._runtime.interrupter.lock:
             yield
+        self.safe_point()  # its end is a safe point: the job may grow here
+
+    def safe_point(self) -> None:
+        """Marks a point between steps where a restart loses no work (an iteration boundary of the
+        training loop): with ``Wrapper(grow=GrowPolicy(...))`` the job may restart here, on purpose, to
+        take in processes waiting to join it (:mod:`inprocess.engine.grow`). Cheap: one store read
+        every ``GrowPolicy.check_every`` calls; nothing without a policy."""
+        grow, s = self._grow, self.state
+        if grow is None or s.mode != Mode.ACTIVE or s.active_world_size is None:
+            return
+        grow.reached(s.active_rank, s.active_world_size, s.world_size, s.initial_world_size, s.initial_rank,
+                     wait=self._wait_at_grow_point)
+
+    def _wait_at_grow_point(self) -> None:
+        """Until the grow's restart interrupts this rank here (the last rank to arrive requests it)."""
+        limit = self._w.timeouts.barrier_wait_s
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise TimeoutError(f"grow: not every active rank reached the grow point within {limit:g}s "
+                           f"(their loops differ: safe points must come in the same order on every rank)")
 
     @contextlib.contextmanager
     def disable_hang_protection(self) -> Iterator[None]:
@@ -183,6 +206,7 @@ class CallWrapper:
                     run_abort=self._run_abort_hook,
                     leave_unreleasable=self._leave_unreleasable,
                 )
+                self._grow = GrowPoints(self._w.grow, self._rt.protocol) if self._w.grow is not None else None
                 try:
                     return self._run(fn, args, kwargs)
                 finally:
@@ -263,6 +287,8 @@ class CallWrapper:
         s = self.state
         rt = self._runtime
         s.fn_exception = None
+        if self._grow is not None:
+            self._grow.begin(s.iteration)
         rt.open_iteration_store()
         try:
             self._set_phase(_Phase.RUNNING)

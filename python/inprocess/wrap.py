@@ -36,6 +36,7 @@ from .abort import AbortTorchDistributed
 from .call_wrapper import CallWrapper, RestartRecord, current_call
 from .compose import Compose
 from .engine.config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
+from .engine.grow import GrowPolicy
 from .rank_assignment import ActivateAllRanks, ShiftRanks, check_rank_assignment
 from .state import FrozenState
 
@@ -97,6 +98,10 @@ class Wrapper:
       nothing. ``python -m inprocess.timeline DIR`` draws them.
     - ``rank_filter`` (deprecated in nvidia_resiliency_ext): refused with a
       ValueError that says what replaced it (filters in ``rank_assignment``).
+    - ``grow`` (not in nvidia_resiliency_ext): a :class:`~inprocess.GrowPolicy`: the job
+      restarts on purpose, at a safe point (the end of ``atomic()``, or
+      ``CallWrapper.safe_point()``), to take in processes waiting to join it
+      (:mod:`inprocess.engine.grow`). None (default): only faults restart it.
     - ``node_agent`` (not in nvidia_resiliency_ext): one process per node
       carries the restart's store traffic for the node's ranks
       (:mod:`inprocess.processes.node_agent`), so the store serves nodes, not ranks.
@@ -134,6 +139,7 @@ class Wrapper:
         node_agent: Optional[bool] = None,
         events_dir: Optional[str] = None,
         rank_filter: None = None,
+        grow: Optional[GrowPolicy] = None,
     ):
         if rank_filter is not None:
             raise ValueError(
@@ -182,6 +188,9 @@ class Wrapper:
         self.monitor_process_logfile = check_path("monitor_process_logfile", monitor_process_logfile)
         self.monitor_process_pidfile = check_path("monitor_process_pidfile", monitor_process_pidfile)
         self.events_dir = check_path("events_dir", events_dir)
+        if grow is not None and not isinstance(grow, GrowPolicy):
+            raise ValueError(f"grow={grow!r}: expected an inprocess.GrowPolicy or None")
+        self.grow = grow
 
     def __call__(self, fn: F) -> F:
         if not self.enabled:

@@ -119,7 +119,9 @@ spec = PLAN.get("wrapper", {})
 assignment = R.ShiftRanks()
 if "active" in PLAN:
     assignment = inprocess.Compose(R.MaxActiveWorldSize(PLAN["active"]), R.ActivateAllRanks(), R.ShiftRanks())
+grow = inprocess.GrowPolicy(**PLAN["grow"]) if "grow" in PLAN else None
 wrapper = inprocess.Wrapper(
+    grow=grow,
     rank_assignment=assignment,
     soft_timeout=td(spec.get("soft_timeout", 20)),
     hard_timeout=td(spec.get("hard_timeout", 40)),
@@ -131,7 +133,8 @@ wrapper = inprocess.Wrapper(
 
 def restart_entry(r):
     return {"iteration": r.iteration, "terminated": r.terminated, "joined": r.joined, "activated": r.activated,
-            "faults": [f"{f.rank}:{f.kind}:{f.type}:{f.message[:80]}" for f in r.faults]}
+            "faults": [f"{f.rank}:{f.kind}:{f.type}:{f.message[:80]}" for f in r.faults],
+            "causes": [f.kind for f in r.causes]}
 
 
 @wrapper
@@ -150,7 +153,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     assert int(steps) == step, f"seat {SEAT}: resumed at {step}, another rank at {int(steps)}"
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    while step < PLAN.get("steps", 60):
+    # "until_world": the loop goes on past "steps" while the world is smaller (a grow test's wait).
+    while step < PLAN.get("steps", 60) or state.active_world_size < PLAN.get("until_world", 0):
         call_wrapper.ping()
         kill = kill_here(step, state.active_rank)
         if kill is not None:

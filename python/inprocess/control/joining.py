@@ -214,6 +214,12 @@ class JoinKeys:
 
     def announce(self, announcement: Announcement) -> None:
         self.counted.append(self.lines_key, announcement.to_json() + "\n")
+        self.counted.add(f"{self.prefix}joiners.announced", 1)
+
+    def waiting(self) -> int:
+        """Joiners announced and not resolved yet: two counter reads (a grow's look, engine/grow.py)."""
+        announced = self.counted.add(f"{self.prefix}joiners.announced", 0)
+        return announced - self.counted.add(f"{self.prefix}joiners.resolved_count", 0)
 
     def resolve(self, token: str, outcome: Outcome) -> Outcome:
         """Write ``outcome`` unless the joiner was resolved already; returns the outcome that holds."""
@@ -222,6 +228,7 @@ class JoinKeys:
         if value == outcome.encode():
             # torch 2.13's legacy server wakes no waiter on compare_set; an empty append wakes them.
             self.counted.append(key, "")
+            self.counted.add(f"{self.prefix}joiners.resolved_count", 1)
         held = Outcome.parse(value)
         if held is None:
             raise InternalError(f"joiner {token}: its outcome is still empty after a compare_set")

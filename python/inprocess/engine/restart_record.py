@@ -141,7 +141,8 @@ class RestartRecord:
         """One line: the causes first, then consequences, who left, spares activated, time, slowest phase."""
         causes = "; ".join(f"rank {f.rank} {_cause_kind(f)}: {f.type}: {f.message}" for f in self.causes)
         causes = causes or "none recorded"
-        text = f"restart after iteration {self.iteration}: cause: {causes}"
+        grow = bool(self.causes) and all(f.kind == "grow" for f in self.causes)
+        text = f"{'grow' if grow else 'restart'} after iteration {self.iteration}: cause: {causes}"
         if self.consequences:
             text += "; consequences (not causes): " + "; ".join(f"rank {f.rank} {f.type}" for f in self.consequences)
         if self.n_faults > len(self.faults):

@@ -79,6 +79,8 @@ def signature(fault: FaultRecord) -> Signature:
 def signatures(record: RestartRecord) -> frozenset[Signature]:
     """The signatures of a restart's causes; a restart without a recorded cause has one of its own."""
     causes = record.causes
+    if causes and all(f.kind == "grow" for f in causes):
+        return frozenset()  # a grow (engine/grow.py) is no fault: it never counts, and ends a run of repeats
     if not causes:
         return frozenset({("none recorded", "", "")})
     return frozenset(signature(f) for f in causes)

@@ -1,0 +1,131 @@
+"""Grow: a restart on purpose, at a point every rank marks as safe, to take waiting joiners in.
+
+A job that lost processes runs smaller until its next restart, where waiting
+joiners (:mod:`inprocess.control.joining`) are admitted. With a
+:class:`GrowPolicy`, the job makes that restart itself, but only at a *safe
+point*: the end of a ``CallWrapper.atomic()`` block, or a call of
+``CallWrapper.safe_point()`` (an iteration boundary of the user's loop),
+never in the middle of a step.
+
+**Where.** Every active rank counts its safe points in the iteration. Each
+``check_every``-th one is a *look*: active rank 0 first decides whether to
+grow (joiners wait, seats are empty, the policy allows it) and, if so, names
+the look after the next as the grow point (``<i>/grow_at``, compare_set: once
+per iteration). Every rank reads ``grow_at`` at each look. The ranks of a
+training job advance in lockstep (each step has collectives), so every rank
+reads at the next look after rank 0 wrote at this one: all of them stop at
+the same safe point.
+
+**How.** A rank at the grow point adds itself to ``<i>/grow_arrivals`` and
+waits there, interruptible. The last to arrive records the cause (a fault
+record of kind ``grow``, naming the joiners waiting) and requests the restart:
+every rank is then interrupted where it waits, at its safe point. A real
+fault meanwhile restarts the job as usual. The restart is an ordinary one
+whose leader admits the joiners; its summary says "grow", and the storm brake
+does not count it.
+
+**Cost.** One ``peek`` per rank per look (``check_every`` safe points), plus
+two counter reads on active rank 0; a grow adds one ``add`` per rank.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from ..control.joining import JoinKeys
+from ..control.protocol import RestartProtocol
+from ..control.records import FaultRecord
+
+log = logging.getLogger("inprocess")
+
+GROW = "grow"  # the kind of a grow's fault record
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowPolicy:
+    """When the job restarts on purpose to take waiting joiners in.
+
+    ``min_waiting``: only once at least this many joiners wait. ``min_interval_s``:
+    at most one grow per this many seconds (0: as soon as possible).
+    ``check_every``: safe points between two looks (each look costs every active
+    rank one store read; the grow comes one or two looks after the joiners).
+    """
+
+    min_waiting: int = 1
+    min_interval_s: float = 0.0
+    check_every: int = 10
+
+    def __post_init__(self) -> None:
+        if type(self.min_waiting) is not int or self.min_waiting < 1:
+            raise ValueError(f"GrowPolicy(min_waiting={self.min_waiting!r}): expected an int >= 1")
+        interval: object = self.min_interval_s  # checked as the caller gave it, whatever its type
+        if not isinstance(interval, (int, float)) or interval < 0:
+            raise ValueError(f"GrowPolicy(min_interval_s={self.min_interval_s!r}): expected seconds >= 0")
+        if type(self.check_every) is not int or self.check_every < 1:
+            raise ValueError(f"GrowPolicy(check_every={self.check_every!r}): expected an int >= 1")
+
+
+class GrowPoints:
+    """One rank's safe points in one iteration, and what they decide (module docstring)."""
+
+    def __init__(self, policy: Optional[GrowPolicy], protocol: RestartProtocol):
+        self.policy = policy
+        self.protocol = protocol
+        self.count = 0
+        self.iteration = -1
+        self.last_grow_s = -float("inf")
+
+    def begin(self, iteration: int) -> None:
+        self.count = 0
+        self.iteration = iteration
+
+    def reached(self, active_rank: Optional[int], active_world_size: int, world_size: int,
+                initial_world_size: int, initial_rank: int, wait: Callable[[], None]) -> None:
+        """The main thread is at a safe point (outside any ``atomic()`` block)."""
+        policy = self.policy
+        if policy is None or active_rank is None:
+            return
+        self.count += 1
+        if self.count % policy.check_every:
+            return
+        p = self.protocol
+        key = p.key(self.iteration, "grow_at")
+        if active_rank == 0 and world_size < initial_world_size:
+            self._maybe_schedule(policy, key)
+        raw = p.counted.peek(key)
+        if raw is None or int(raw) != self.count:
+            return
+        arrived = p.counted.add(p.key(self.iteration, "grow_arrivals"), 1)
+        if arrived == active_world_size:
+            waiting = self.waiting()
+            record = FaultRecord.from_exception(initial_rank, self.iteration, GROW, Grow(
+                f"{waiting} joiner{'s' if waiting != 1 else ''} waiting, {initial_world_size - world_size} "
+                f"seat{'s' if initial_world_size - world_size != 1 else ''} empty"))
+            p.report_fault(record)
+        self.last_grow_s = time.monotonic()
+        wait()  # interrupted by the restart, here, at the safe point
+
+    def waiting(self) -> int:
+        p = self.protocol
+        return JoinKeys(p.counted, p.call, p.incarnation).waiting()
+
+    def _maybe_schedule(self, policy: GrowPolicy, key: str) -> None:
+        if time.monotonic() - self.last_grow_s < policy.min_interval_s:
+            return
+        if self.waiting() < policy.min_waiting:
+            return
+        at = str(self.count + policy.check_every)
+        if self.protocol.counted.compare_set(key, "", at).decode() == at:
+            log.info("grow: %d joiner(s) wait; the job restarts to take them in at safe point %s of iteration %d",
+                     self.waiting(), at, self.iteration)
+
+
+class Grow(Exception):
+    """The cause of a grow, as a fault record names it."""
+
+    def __init__(self, message: str, *args: Any):
+        super().__init__(message, *args)
