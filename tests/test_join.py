@@ -4,9 +4,9 @@ into its seat at the next restart, as a spare or an active rank; real processes,
 from __future__ import annotations
 
 import json
-import re
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
