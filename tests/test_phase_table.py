@@ -63,3 +63,42 @@ def test_the_leaders_decision_gets_the_hard_timeout_only() -> None:
         assert page.snapshot().flags & _native.FLAG_HANG_PROTECTION_OFF
     finally:
         page.close()
+
+
+# -- the table itself -------------------------------------------------------------------------------
+
+
+def test_every_native_phase_has_one_row_in_the_order_of_a_call() -> None:
+    from inprocess.engine import phases
+
+    native = list(_native.Phase.__members__.values())
+    assert sorted(int(r.phase) for r in phases.TABLE) == sorted(int(p) for p in native)
+    assert [r.order for r in phases.TABLE] == list(range(len(phases.TABLE)))
+    assert [r.name for r in phases.TABLE] == ["STARTING", "INITIAL_BARRIER", "RUNNING", "ABORTING", "FINALIZING",
+                                              "HEALTH_CHECK", "RESTART_BARRIER", "COMPLETION", "DONE", "TERMINATED"]
+    for p in native:
+        assert phases.row(p).phase == p
+
+
+def test_the_tables_rules_are_the_lists_each_module_kept_before() -> None:
+    """The literals are the lists as they stood in each module at 1cbd356."""
+    from inprocess.engine import phases
+    from inprocess.engine.phases import HangRule, Phase
+    from inprocess.faults import phases as fault_phases
+    from inprocess.processes import monitor
+    from inprocess.timeline import model
+
+    # engine/hang_guard.py: RESTART_PHASES got the hard timeout only; RUNNING is armed by training().
+    assert {r.name for r in phases.TABLE if r.hang_rule is HangRule.HARD_ONLY} == HARD_TIMEOUT_ONLY
+    assert phases.hard_timeout_only() == {Phase.ABORTING, Phase.FINALIZING, Phase.HEALTH_CHECK}
+    assert {r.name for r in phases.TABLE if r.hang_rule is HangRule.SOFT_AND_HARD} == {"RUNNING"}
+    # processes/monitor.py
+    assert monitor._FINISHED == {Phase.DONE, Phase.TERMINATED}
+    assert monitor._IN_BARRIER == {Phase.INITIAL_BARRIER, Phase.RESTART_BARRIER}
+    # timeline/model.py, in a restart's order
+    assert model.RESTART_PHASES == ("ABORTING", "FINALIZING", "HEALTH_CHECK", "RESTART_BARRIER")
+    # faults/phases.py: the names INPROCESS_FAULTS gives the wrapper's phases
+    assert fault_phases.WRAPPER_PHASES == {"INITIAL_BARRIER": "entry", "RUNNING": "initialize", "ABORTING": "abort",
+                                           "FINALIZING": "finalize", "HEALTH_CHECK": "health_check",
+                                           "RESTART_BARRIER": "barrier"}
+    assert list(phases.fault_names()) == ["entry", "initialize", "abort", "finalize", "health_check", "barrier"]

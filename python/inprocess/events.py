@@ -27,7 +27,8 @@ Kinds and their own fields:
                        main thread after the abort), FINALIZING,
                        HEALTH_CHECK, RESTART_BARRIER; then COMPLETION (the
                        function returned, waiting for the others), DONE or
-                       TERMINATED
+                       TERMINATED (the phase table,
+                       ``inprocess.engine.phases``, lists them in order)
 ``iteration_start``    iteration, mode ("ACTIVE"/"INACTIVE"), job_rank (the
                        rank among active and spares), active_rank,
                        world_size, active_world_size

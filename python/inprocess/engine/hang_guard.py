@@ -23,6 +23,9 @@ native watchdog (soft timeout, in the rank) and the monitor's guard (hard timeou
 * **Every other phase** (the barriers, the wait for completion, leaving): none.
   Those waits are the engine's own, each bounded by its own timeout, and a rank
   waiting at a barrier for a slow peer is not hung.
+
+Which phase has which rule is the phase table's column ``hang_rule``
+(``engine/phases.py``); this module applies it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,8 @@ import contextlib
 from typing import Iterator
 
 from .. import _native
-
-_Phase = _native.Phase
-
-RESTART_PHASES = frozenset({_Phase.ABORTING, _Phase.FINALIZING, _Phase.HEALTH_CHECK})
+from . import phases
+from .phases import HangRule
 
 
 class HangGuard:
@@ -62,9 +63,10 @@ class HangGuard:
     def enter(self, phase: _native.Phase) -> None:
         """The rank enters ``phase``: publish it, and apply what its phase's rule says."""
         page = self.page
-        if phase in RESTART_PHASES:
+        if phases.row(phase).hang_rule is HangRule.HARD_ONLY:
             self._hard_timeout_only(phase)
             return
+        # NONE, and SOFT_AND_HARD: those timeouts are armed by training() around the run, not at the entry.
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
         page.set_phase(phase)
 
