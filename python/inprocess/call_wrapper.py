@@ -32,6 +32,7 @@ from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
+from .engine import phases
 from .engine.interrupt import interrupted_by
 from .engine.leave import (
     Leave,
@@ -41,6 +42,8 @@ from .engine.leave import (
     exit_if_abort_abandoned,
     release_frames,
 )
+from .engine.phases import Phase
+from .engine.recovery_plan import DecisionSummary, RecoveryPlan
 from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
@@ -65,8 +68,6 @@ if TYPE_CHECKING:
     from .wrap import Wrapper
 
 log = logging.getLogger("inprocess")
-
-_Phase = _native.Phase
 
 _current_lock = threading.Lock()
 _current: Optional["CallWrapper"] = None
@@ -195,7 +196,7 @@ class CallWrapper:
         self._emit("call_start", **call_start_fields(self.state.initial_world_size))
         leaving: LeaveJob
         try:
-            self._set_phase(_Phase.INITIAL_BARRIER)
+            self._set_phase(Phase.INITIAL_BARRIER)
             self._join()
             while True:
                 i = self.state.iteration
@@ -227,8 +228,8 @@ class CallWrapper:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
         self._storm.started(decision.host, decision.t_ns)
-        self._emit_decision(decision)
-        self._apply(decision)
+        self._emit_decision(decision, DecisionSummary.of(None, decision))
+        self._apply(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
 
     def _run_active(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], outcome: IterationOutcome
@@ -238,7 +239,7 @@ class CallWrapper:
         s.fn_exception = None
         rt.open_iteration_store()
         try:
-            self._set_phase(_Phase.RUNNING)
+            self._set_phase(Phase.RUNNING)
             with rt.interrupter.running(), rt.hang_guard.training(s.iteration, s.world_size):
                 if self._w.initialize is not None:
                     self._w.initialize(s.freeze())
@@ -261,7 +262,7 @@ class CallWrapper:
             self._fault_in_function(e)
             return False, None
         # The function returned: wait until it returned on every active rank.
-        self._set_phase(_Phase.COMPLETION)
+        self._set_phase(Phase.COMPLETION)
         outcome.completing = True  # before the count: from now on the event may be "complete"
         assert s.active_world_size is not None  # set by _apply before any iteration runs
         rt.protocol.arrive_completed(s.iteration, s.active_world_size)
@@ -308,7 +309,7 @@ class CallWrapper:
         drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
-        self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
+        self._set_phase(Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
         try:
             self._check_health_before_iteration()
         except LeaveJob:
@@ -339,7 +340,7 @@ class CallWrapper:
         s = self.state
         abort_wait = self._w.timeouts.abort_wait_s
         fault_iteration = s.iteration
-        self._set_phase(_Phase.ABORTING)
+        self._set_phase(Phase.ABORTING)
         if not outcome.done.wait(abort_wait):
             raise LeaveJob(TimeoutError(f"abort did not finish within {abort_wait:g}s"), Leave.ABORT_FAILED)
         self._check_outcome(outcome)
@@ -347,33 +348,33 @@ class CallWrapper:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
                                aborted_ns=outcome.aborted_ns)
+        # Before the decision, which no rank knows yet: what every plan releases today
+        # (recovery_plan.RELEASED_BEFORE_DECISION: the iteration's groups and store client).
         self._runtime.release_iteration()
-        self._set_phase(_Phase.FINALIZING)
+        self._set_phase(Phase.FINALIZING)
         self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
         record.finalized_ns = time.monotonic_ns()
-        self._set_phase(_Phase.HEALTH_CHECK)
+        self._set_phase(Phase.HEALTH_CHECK)
         try:
             self._check_health()
         except BaseException as e:
             raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
 
-        self._set_phase(_Phase.RESTART_BARRIER)
+        self._set_phase(Phase.RESTART_BARRIER)
         decision = self._barrier(fault_iteration + 1, s.world_size)
         record.decided_ns = time.monotonic_ns()
         record.faults, record.n_faults, record.terminated = decision.faults, decision.n_faults, decision.terminated
         record.assignment_ns = decision.assignment_ns
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
-        previous = self._membership
-        if previous is not None:
-            record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
-                                                                       strict=True))
-                                if was == Mode.INACTIVE and now == Mode.ACTIVE]
+        plan = RecoveryPlan.for_rank(self._membership, decision, s.initial_rank)
+        summary = DecisionSummary.of(self._membership, decision)
+        record.activated = summary.activated
         verdict = self._storm.observe(record, decision.host, decision.t_ns)
         self.restarts.append(record)
-        self._emit_decision(decision)
-        self._apply(decision)
+        self._emit_decision(decision, summary)
+        self._apply(decision, plan)
         self._log_restart(record, verdict)
         self._storm.wait(verdict)  # a restart storm: every rank waits the same (engine/storm.py)
 
@@ -391,13 +392,13 @@ class CallWrapper:
         self._emit("iteration_start", iteration=s.iteration, mode=s.mode.name, job_rank=s.rank,
                    active_rank=s.active_rank, world_size=s.world_size, active_world_size=s.active_world_size)
 
-    def _emit_decision(self, decision: Decision) -> None:
+    def _emit_decision(self, decision: Decision, summary: DecisionSummary) -> None:
         m = decision.membership
         records = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message, "t_ns": f.t_ns,
                     "host": f.host} for f in decision.faults[:8]]
         self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
                    active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
-                   n_faults=decision.n_faults, faults=records)
+                   n_faults=decision.n_faults, faults=records, **summary.fields())
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -454,47 +455,45 @@ class CallWrapper:
     def _read_topology(self) -> list[list[list[str]]]:
         return self._runtime.protocol.read_topology(self.state.initial_world_size)
 
-    def _apply(self, decision: Decision) -> None:
+    def _apply(self, decision: Decision, plan: RecoveryPlan) -> None:
+        """This rank takes the role its plan gives it (engine/recovery_plan.py), or leaves."""
         s = self.state
-        m = decision.membership
         r = s.initial_rank
         before, previous = s.freeze(), self._membership
-        self._membership = m
+        self._membership = decision.membership
         s.iteration = decision.iteration
-        if decision.abort is not None:
-            self._runtime.protocol.leave(decision.iteration, m.world_size)
+        if plan.ends_job is not None:
+            self._runtime.protocol.leave(decision.iteration, plan.new_world_size)
             # The leader ran the failing hook: it leaves with the hook's own exception, as a
             # per-rank caller would; the others with a RestartAbort that names it.
             failure = self._assignment.take_failure() if decision.leader == r else None
-            raise LeaveJob(failure or RestartAbort(decision.abort), Leave.JOB_ABORTED)
+            raise LeaveJob(failure or RestartAbort(plan.ends_job), Leave.JOB_ABORTED)
         try:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
             self._assignment.verify(decision, previous, before, self._read_topology)
         except RankAssignmentMismatch as e:
             raise LeaveJob(e, Leave.TERMINATED) from None
-        mode = Mode(m.mode[r])
-        if mode == Mode.TERMINATED:
+        if plan.leaves:
             raise LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
                             Leave.DISCARDED)
-        s.mode = mode
-        s.rank = m.rank[r]
-        s.world_size = m.world_size
-        s.active_rank = m.active_rank[r] if mode == Mode.ACTIVE else None
-        s.active_world_size = m.active_world_size
-        if mode == Mode.ACTIVE:
-            os.environ["RANK"] = str(s.active_rank)
-            os.environ["WORLD_SIZE"] = str(s.active_world_size)
-        else:
-            # A spare has no rank in the running job; it never sees "None" there.
-            os.environ.pop("RANK", None)
-            os.environ.pop("WORLD_SIZE", None)
+        assert plan.new_rank is not None  # every rank still in the job has one (Membership.validate)
+        s.mode = plan.new_mode
+        s.rank = plan.new_rank
+        s.world_size = plan.new_world_size
+        s.active_rank = plan.new_active_rank
+        s.active_world_size = plan.new_active_world_size
+        for name, value in plan.environment().items():
+            if value is None:
+                os.environ.pop(name, None)  # a spare has no rank in the running job; it never sees "None" there
+            else:
+                os.environ[name] = value
         self._runtime.heartbeat.begin_iteration(s.iteration, s.world_size)
         if decision.leader == r and decision.iteration > 0:
             self._runtime.delete_user_keys(decision.iteration - 1)
 
     def _complete(self, value: Any) -> Any:
         s = self.state
-        self._set_phase(_Phase.DONE)
+        self._set_phase(Phase.DONE)
         self._emit("exit", outcome="completed", reason=None, iteration=s.iteration)
         self._runtime.protocol.leave(s.iteration, s.world_size)
         if self._w.completion is not None:
@@ -526,7 +525,7 @@ class CallWrapper:
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.
-        self._set_phase(_Phase.TERMINATED)
+        self._set_phase(Phase.TERMINATED)
         if self._w.terminate is not None:
             try:
                 self._w.terminate(s.freeze())
@@ -618,12 +617,15 @@ class CallWrapper:
         if rt is not None and event.iteration == s.iteration and s.mode == Mode.ACTIVE and not rt.interrupter.fired:
             report_soft_timeout(rt.protocol, s, event, _seconds(self._w.timeouts.soft_timeout), self._emit)
 
-    def _set_phase(self, phase: Any) -> None:
+    def _set_phase(self, phase: Phase) -> None:
+        """Enter ``phase``, as its row of the phase table (engine/phases.py) says."""
+        row = phases.row(phase)
         if self._rt is not None:
-            self._rt.hang_guard.enter(phase)  # a restart's hooks get hard_timeout (engine/hang_guard.py)
-            self._emit("phase", phase=phase.name, iteration=self.state.iteration)
-        s = self.state  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
-        faults.enter_phase(phase.name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
+            self._rt.hang_guard.enter(phase)  # the row's hang rule: a restart's hooks get hard_timeout
+            self._emit("phase", phase=row.name, iteration=self.state.iteration)
+        if row.fault_name is not None:  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
+            s = self.state
+            faults.enter_phase(row.fault_name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
 
     def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
         events = self._rt.events if self._rt is not None else None
