@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from . import _native, faults
+from . import faults
 from . import store as store_mod
 from .control import protocol
 from .control.membership import Membership
@@ -39,7 +39,7 @@ from .engine.leave import (
     LeaveJob,
     count_out_before_joining,
     drop_frames,
-    exit_if_abort_abandoned,
+    exit_if_nccl_abort_abandoned,
     release_frames,
 )
 from .engine.phases import Phase
@@ -120,7 +120,7 @@ class CallWrapper:
     def ping(self) -> None:
         """Manual progress: arms the soft/hard timeouts for the rest of the iteration."""
         if self._rt is not None:
-            self._rt.heartbeat.ping()
+            self._rt.hang_guard.ping()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -137,16 +137,8 @@ class CallWrapper:
         if self._rt is None:
             yield
             return
-        hb = self._rt.heartbeat
-        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
-        try:
+        with self._rt.hang_guard.suspended():
             yield
-        finally:
-            # Re-arm from now: the time spent inside the block does not count.
-            hb.stamp_auto()
-            if hb.snapshot().flags & _native.FLAG_MANUAL_ARMED:
-                hb.ping()
-            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
 
     @property
     def store(self) -> dist.Store:
@@ -175,7 +167,7 @@ class CallWrapper:
                 self._rt = RankRuntime.open(
                     self._w, self.state, call_index,
                     on_soft_timeout=self._on_soft_timeout,
-                    run_abort=self._run_abort_hook,
+                    release_main_thread=self._release_main_thread,
                     leave_unreleasable=self._leave_unreleasable,
                 )
                 try:
@@ -326,10 +318,10 @@ class CallWrapper:
     def _wait_stamping_progress(self, outcome: IterationOutcome) -> None:
         """A spare waits for the trigger's event, stamping progress every soft_timeout/4: one
         frozen (SIGSTOP) or holding the GIL stops stamping, and its monitor kills it at hard_timeout."""
-        heartbeat = self._runtime.heartbeat
+        hang_guard = self._runtime.hang_guard
         chunk = _seconds(self._w.timeouts.soft_timeout) / 4
         while not outcome.done.wait(chunk):
-            heartbeat.stamp_auto()
+            hang_guard.stamp_progress()
 
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
@@ -467,7 +459,7 @@ class CallWrapper:
             # The leader ran the failing hook: it leaves with the hook's own exception, as a
             # per-rank caller would; the others with a RestartAbort that names it.
             failure = self._assignment.take_failure() if decision.leader == r else None
-            raise LeaveJob(failure or RestartAbort(plan.ends_job), Leave.JOB_ABORTED)
+            raise LeaveJob(failure or RestartAbort(plan.ends_job), Leave.JOB_ENDED)
         try:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the job).
             self._assignment.verify(decision, previous, before, self._read_topology)
@@ -487,7 +479,7 @@ class CallWrapper:
                 os.environ.pop(name, None)  # a spare has no rank in the running job; it never sees "None" there
             else:
                 os.environ[name] = value
-        self._runtime.heartbeat.begin_iteration(s.iteration, s.world_size)
+        self._runtime.hang_guard.begin_iteration(s.iteration, s.world_size)
         if decision.leader == r and decision.iteration > 0:
             self._runtime.delete_user_keys(decision.iteration - 1)
 
@@ -536,7 +528,7 @@ class CallWrapper:
         if lost is not None:
             # Counted out above; the process must go so the launcher replaces it (exit status 76).
             leave_for_lost_context(lost)
-        exit_if_abort_abandoned()  # counted out above; torch's groups must not be touched again
+        exit_if_nccl_abort_abandoned()  # counted out above; torch's groups must not be touched again
         raise exc
 
     # -- entering and leaving the call -------------------------------------------
@@ -573,8 +565,12 @@ class CallWrapper:
 
     # -- called from the engine's threads ------------------------------------------
 
-    def _run_abort_hook(self) -> None:
-        """From the restart trigger thread, once the main thread was interrupted."""
+    def _release_main_thread(self) -> None:
+        """From the restart trigger thread, once the main thread was interrupted: release it from
+        whatever the failed iteration blocked it in (the function's store connection shut down, then
+        the user's ``abort`` hook, by default the process groups' abort). Not to be confused with the
+        decision that ends the job (``Decision.abort``, ``RestartAbort``) nor with NCCL's
+        communicator abort that the hook may run (``gpu/nccl_abort.py``)."""
         iteration = self.state.iteration
         self._emit("restart_detected", iteration=iteration)
         try:

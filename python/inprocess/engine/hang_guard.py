@@ -39,7 +39,11 @@ from .phases import HangRule
 
 
 class HangGuard:
-    """Sets the phase, the timeouts and the flags of one rank's heartbeat page."""
+    """The one Python writer of a rank's heartbeat page: its phase, timeouts, flags and progress.
+
+    (The native watchdog's automatic-progress stamp, run as a pending call in
+    the main thread, is the page's only other writer; the monitor only reads it.)
+    """
 
     def __init__(self, page: _native.HeartbeatPage, soft_timeout_s: float, hard_timeout_s: float):
         self.page = page
@@ -47,6 +51,23 @@ class HangGuard:
         self.hard_ns = int(hard_timeout_s * 1e9)
         page.set_timeouts(self.soft_ns, self.hard_ns)
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        self.ping = page.ping  # manual progress (CallWrapper.ping): the page's own method, no call in between
+        self.stamp_progress = page.stamp_auto  # automatic progress, stamped by a waiting spare
+        self.begin_iteration = page.begin_iteration  # the iteration and world size a decision starts
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Both timeouts off while the block runs (CallWrapper.disable_hang_protection), re-armed after."""
+        page = self.page
+        page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        try:
+            yield
+        finally:
+            # Re-arm from now: the time spent inside the block does not count.
+            page.stamp_auto()
+            if page.snapshot().flags & _native.FLAG_MANUAL_ARMED:
+                page.ping()
+            page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
 
     @contextlib.contextmanager
     def training(self, iteration: int, world_size: int) -> Iterator[None]:

@@ -96,13 +96,13 @@ class RankRuntime:
         call_index: int,
         *,
         on_soft_timeout: Callable[[Any], None],
-        run_abort: Callable[[], None],
+        release_main_thread: Callable[[], None],
         leave_unreleasable: Callable[[RestartProtocol, int], None],
     ) -> RankRuntime:
         """Open the rank's resources in order; on any failure, close what was opened and re-raise."""
         rt = cls(wrapper, state, call_index)
         with rt._stack:
-            rt._open(on_soft_timeout, run_abort, leave_unreleasable)
+            rt._open(on_soft_timeout, release_main_thread, leave_unreleasable)
             rt._stack = rt._stack.pop_all()  # success: the stack now outlives the with block
         return rt
 
@@ -114,7 +114,7 @@ class RankRuntime:
     def _open(
         self,
         on_soft_timeout: Callable[[Any], None],
-        run_abort: Callable[[], None],
+        release_main_thread: Callable[[], None],
         leave_unreleasable: Callable[[RestartProtocol, int], None],
     ) -> None:
         t = self._w.timeouts
@@ -156,7 +156,7 @@ class RankRuntime:
         self.trigger = RestartTrigger(
             trigger_protocol,
             self.interrupter,
-            run_abort,
+            release_main_thread,
             release_timeout=t.release_wait_s,
             leave=lambda iteration: leave_unreleasable(trigger_protocol, iteration),
         )
