@@ -63,7 +63,7 @@ def test_at_the_start_every_rank_activates_with_its_state_from_the_users_code() 
         assert p.transition is Transition.ACTIVATE
         assert (p.old_mode, p.new_mode) == (Mode.INITIALIZED, Mode.ACTIVE)
         assert (p.old_rank, p.new_rank, p.old_active_rank, p.new_active_rank) == (None, r, None, r)
-        assert (p.old_world_size, p.new_world_size, p.new_active_world_size) == (None, 4, 4)
+        assert (p.new_world_size, p.new_active_world_size) == (4, 4)
         assert p.state_source is StateSource.USER
         assert p.release == frozenset() and p.keep == frozenset()  # nothing ran yet
         assert p.environment() == {"RANK": str(r), "WORLD_SIZE": "4"}
@@ -78,7 +78,7 @@ def test_a_shift_ranks_shrink_renumbers_the_survivors_and_the_lost_rank_leaves()
     assert [(x.old_rank, x.new_rank) for x in p] == [(0, 0), (1, None), (2, 1), (3, 2)]
     assert [(x.old_active_rank, x.new_active_rank) for x in p] == [(0, 0), (1, None), (2, 1), (3, 2)]
     for x in p:
-        assert (x.old_world_size, x.new_world_size, x.old_active_world_size, x.new_active_world_size) == (4, 3, 4, 3)
+        assert (x.new_world_size, x.new_active_world_size) == (3, 3)
         assert x.release == RELEASED_BEFORE_DECISION == frozenset(Resource)  # today: every restart, all of it
         assert x.keep == frozenset()
     assert [x.state_source for x in p] == [StateSource.MEMORY, None, StateSource.MEMORY, StateSource.MEMORY]

@@ -31,7 +31,7 @@ import dataclasses
 import enum
 from typing import Any, Collection, Optional
 
-from ..control.membership import NONE, TERMINATED, Membership
+from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..control.records import Decision
 from ..exception import InternalError
 from ..state import Mode
@@ -99,7 +99,9 @@ class RecoveryPlan:
 
     ``old_*`` describe the rank before the decision (``None``/``Mode.INITIALIZED``
     at the job's start), ``new_*`` after it (``None`` where a rank has no such
-    rank: a spare has no active rank, a leaving rank none at all). ``ends_job``
+    rank: a spare has no active rank, a leaving rank none at all). The world
+    sizes before are the previous plan's (and :class:`DecisionSummary` has the
+    changes): counting them again would cost O(world size) per rank. ``ends_job``
     is the reason the whole job ends at this decision (every rank leaves).
     """
 
@@ -112,9 +114,7 @@ class RecoveryPlan:
     new_rank: Optional[int]
     old_active_rank: Optional[int]
     new_active_rank: Optional[int]
-    old_world_size: Optional[int]
     new_world_size: int
-    old_active_world_size: Optional[int]
     new_active_world_size: int
     release: frozenset[Resource]  # what the rank must release of the failed iteration
     keep: frozenset[Resource]  # what it may keep of it (nothing, until a grow keeps its groups)
@@ -135,11 +135,10 @@ class RecoveryPlan:
                                 f"to {m.initial_world_size}")
         new_mode = _mode(m.mode[r], r)
         if previous is None:
-            old_mode, old_rank, old_active, old_ws, old_aws = Mode.INITIALIZED, None, None, None, None
+            old_mode, old_rank, old_active = Mode.INITIALIZED, None, None
         else:
             old_mode = _mode(previous.mode[r], r)
             old_rank, old_active = _rank(previous.rank[r]), _rank(previous.active_rank[r])
-            old_ws, old_aws = previous.world_size, previous.active_world_size
         if decision.abort is not None:
             kind = Transition.LEAVE
         else:
@@ -152,8 +151,7 @@ class RecoveryPlan:
             old_mode=old_mode, new_mode=new_mode,
             old_rank=old_rank, new_rank=_rank(m.rank[r]),
             old_active_rank=old_active, new_active_rank=_rank(m.active_rank[r]),
-            old_world_size=old_ws, new_world_size=m.world_size,
-            old_active_world_size=old_aws, new_active_world_size=m.active_world_size,
+            new_world_size=m.world_size, new_active_world_size=m.active_world_size,
             # Nothing ran before the first decision; after a failed iteration, everything goes (for now).
             release=frozenset() if previous is None else RELEASED_BEFORE_DECISION,
             keep=frozenset() if previous is None else frozenset(Resource) - RELEASED_BEFORE_DECISION,
@@ -198,28 +196,34 @@ class DecisionSummary:
 
     @classmethod
     def of(cls, previous: Optional[Membership], decision: Decision, joined: Collection[int] = ()) -> "DecisionSummary":
-        """One pass over the initial ranks: the transition of each, as its own plan gives it."""
+        """The transition of each initial rank, as its own plan gives it, counted and listed. Every rank
+        computes it at every decision: one C-speed comparison of the mode columns, then Python work
+        only for the ranks whose mode changed (16,384 ranks: about 1 ms)."""
         m = decision.membership
+        new = m.mode
+        if decision.abort is not None:  # the job ends: everyone still in it leaves
+            old = previous.mode if previous is not None else None
+            left = [r for r, x in enumerate(new) if x != TERMINATED or (old is not None and old[r] != TERMINATED)]
+            return cls(decision.iteration, left, [], [], [], 0, 0, 0, m.world_size, m.active_world_size,
+                       ends_job=decision.abort)
+        if previous is None:  # the job's start: nobody was anything yet
+            return cls(decision.iteration, [r for r, x in enumerate(new) if x == TERMINATED], [], [], [],
+                       stayed_active=0, stayed_spare=new.count(INACTIVE), started_active=new.count(ACTIVE),
+                       world_size=m.world_size, active_world_size=m.active_world_size)
+        old = previous.mode
+        changed = [] if old == new else [r for r, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
         lists: dict[Transition, list[int]] = {t: [] for t in Transition}
-        counts = dict.fromkeys(Transition, 0)
         joined_set = set(joined)
-        ends = decision.abort is not None
-        for r, new in enumerate(m.mode):
-            old = Mode.INITIALIZED if previous is None else _mode(previous.mode[r], r)
-            if old == Mode.TERMINATED and new == TERMINATED:
-                continue  # left at an earlier decision
-            kind = Transition.LEAVE if ends else transition(old, _mode(new, r), r in joined_set)
-            counts[kind] += 1
-            if kind not in (Transition.STAY_ACTIVE, Transition.STAY_SPARE):
-                lists[kind].append(r)
-        start = previous is None
+        for r in changed:
+            lists[transition(_mode(old[r], r), _mode(new[r], r), r in joined_set)].append(r)
+        joined_list = lists[Transition.JOIN]  # a refilled seat had left: its mode changed
+        joined_active = sum(1 for r in joined_list if new[r] == ACTIVE)
         return cls(
-            iteration=decision.iteration, left=lists[Transition.LEAVE],
-            activated=[] if start else lists[Transition.ACTIVATE],
-            deactivated=lists[Transition.DEACTIVATE], joined=lists[Transition.JOIN],
-            stayed_active=counts[Transition.STAY_ACTIVE], stayed_spare=counts[Transition.STAY_SPARE],
-            started_active=counts[Transition.ACTIVATE] if start else 0,
-            world_size=m.world_size, active_world_size=m.active_world_size, ends_job=decision.abort,
+            iteration=decision.iteration, left=lists[Transition.LEAVE], activated=lists[Transition.ACTIVATE],
+            deactivated=lists[Transition.DEACTIVATE], joined=joined_list,
+            stayed_active=new.count(ACTIVE) - len(lists[Transition.ACTIVATE]) - joined_active,
+            stayed_spare=new.count(INACTIVE) - len(lists[Transition.DEACTIVATE]) - (len(joined_list) - joined_active),
+            started_active=0, world_size=m.world_size, active_world_size=m.active_world_size,
         )
 
     def fields(self) -> dict[str, Any]:
