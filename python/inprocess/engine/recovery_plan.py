@@ -66,6 +66,7 @@ class StateSource(enum.Enum):
 # since no rank knows the decision yet. A plan that keeps a resource needs the release moved after it.
 RELEASED_BEFORE_DECISION: frozenset[Resource] = frozenset(Resource)
 
+
 def _mode(column: int, initial_rank: int) -> Mode:
     try:
         return Mode(column)  # INITIALIZED too: a decision that ends the job at its start keeps that table
