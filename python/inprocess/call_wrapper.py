@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from . import _native, faults
+from . import faults
 from . import store as store_mod
 from .control import joining, protocol
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
-from .engine import join
+from .engine import join, phases
 from .engine.grow import GrowPoints
 from .engine.interrupt import interrupted_by
 from .engine.leave import (
@@ -40,9 +40,11 @@ from .engine.leave import (
     LeaveJob,
     count_out_before_joining,
     drop_frames,
-    exit_if_abort_abandoned,
+    exit_if_nccl_abort_abandoned,
     release_frames,
 )
+from .engine.phases import Phase
+from .engine.recovery_plan import DecisionSummary, RecoveryPlan
 from .engine.restart_record import RestartRecord, is_communication_error
 from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
@@ -67,8 +69,6 @@ if TYPE_CHECKING:
     from .wrap import Wrapper
 
 log = logging.getLogger("inprocess")
-
-_Phase = _native.Phase
 
 _current_lock = threading.Lock()
 _current: Optional["CallWrapper"] = None
@@ -125,7 +125,7 @@ class CallWrapper:
     def ping(self) -> None:
         """Manual progress: arms the soft/hard timeouts for the rest of the iteration."""
         if self._rt is not None:
-            self._rt.heartbeat.ping()
+            self._rt.hang_guard.ping()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -163,16 +163,8 @@ class CallWrapper:
         if self._rt is None:
             yield
             return
-        hb = self._rt.heartbeat
-        hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
-        try:
+        with self._rt.hang_guard.suspended():
             yield
-        finally:
-            # Re-arm from now: the time spent inside the block does not count.
-            hb.stamp_auto()
-            if hb.snapshot().flags & _native.FLAG_MANUAL_ARMED:
-                hb.ping()
-            hb.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
 
     @property
     def store(self) -> dist.Store:
@@ -203,7 +195,7 @@ class CallWrapper:
                 self._rt = RankRuntime.open(
                     self._w, self.state, call_index, join_token=self._join_token,
                     on_soft_timeout=self._on_soft_timeout,
-                    run_abort=self._run_abort_hook,
+                    release_main_thread=self._release_main_thread,
                     leave_unreleasable=self._leave_unreleasable,
                 )
                 self._grow = GrowPoints(self._w.grow, self._rt.protocol) if self._w.grow is not None else None
@@ -225,7 +217,7 @@ class CallWrapper:
         self._emit("call_start", **call_start_fields(self.state.initial_world_size))
         leaving: LeaveJob
         try:
-            self._set_phase(_Phase.INITIAL_BARRIER)
+            self._set_phase(Phase.INITIAL_BARRIER)
             if not self._join():
                 return self._never_joined()
             while True:
@@ -262,23 +254,24 @@ class CallWrapper:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
         self._storm.started(decision.host, decision.t_ns)
-        self._emit_decision(decision)
-        self._apply(decision)
+        self._emit_decision(decision, DecisionSummary.of(None, decision))
+        self._apply(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
         return True
 
     def _join_running_job(self, keys: Optional[list[list[str]]]) -> bool:
-        rt = self._runtime
+        rt, s = self._runtime, self.state
         try:
-            decision = join.wait_for_admission(rt.protocol, self.state, self._join_token, self._job_config, keys,
-                                               stamp=rt.heartbeat.stamp_auto,
+            decision = join.wait_for_admission(rt.protocol, s, self._join_token, self._job_config, keys,
+                                               stamp=rt.hang_guard.stamp_progress,
                                                timeout=self._w.timeouts.barrier_wait_s)
         except join.JoinClosed as e:
-            log.info("rank %d: %s", self.state.initial_rank, e)
+            log.info("rank %d: %s", s.initial_rank, e)
             return False
         rt.trigger_protocol.life = rt.protocol.life
         self._storm.started(decision.host, decision.t_ns)
-        self._emit_decision(decision)
-        self._apply(decision)
+        joined = [seat for seat, _ in decision.joined]
+        self._emit_decision(decision, DecisionSummary.of(None, decision, joined))
+        self._apply(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank, joined))
         return True
 
     def _run_active(
@@ -291,7 +284,7 @@ class CallWrapper:
             self._grow.begin(s.iteration)
         rt.open_iteration_store()
         try:
-            self._set_phase(_Phase.RUNNING)
+            self._set_phase(Phase.RUNNING)
             with rt.interrupter.running(), rt.hang_guard.training(s.iteration, s.world_size):
                 if self._w.initialize is not None:
                     self._w.initialize(s.freeze())
@@ -314,7 +307,7 @@ class CallWrapper:
             self._fault_in_function(e)
             return False, None
         # The function returned: wait until it returned on every active rank.
-        self._set_phase(_Phase.COMPLETION)
+        self._set_phase(Phase.COMPLETION)
         outcome.completing = True  # before the count: from now on the event may be "complete"
         assert s.active_world_size is not None  # set by _apply before any iteration runs
         rt.protocol.arrive_completed(s.iteration, s.active_world_size)
@@ -361,7 +354,7 @@ class CallWrapper:
         drop_frames(e)
 
     def _wait_as_spare(self, outcome: IterationOutcome) -> tuple[bool, Any]:
-        self._set_phase(_Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
+        self._set_phase(Phase.RUNNING)  # as a spare: waiting, ready to take a rank over
         try:
             self._check_health_before_iteration()
         except LeaveJob:
@@ -378,10 +371,10 @@ class CallWrapper:
     def _wait_stamping_progress(self, outcome: IterationOutcome) -> None:
         """A spare waits for the trigger's event, stamping progress every soft_timeout/4: one
         frozen (SIGSTOP) or holding the GIL stops stamping, and its monitor kills it at hard_timeout."""
-        heartbeat = self._runtime.heartbeat
+        hang_guard = self._runtime.hang_guard
         chunk = _seconds(self._w.timeouts.soft_timeout) / 4
         while not outcome.done.wait(chunk):
-            heartbeat.stamp_auto()
+            hang_guard.stamp_progress()
 
     def _check_outcome(self, outcome: IterationOutcome) -> None:
         if outcome.event is None:
@@ -392,7 +385,7 @@ class CallWrapper:
         s = self.state
         abort_wait = self._w.timeouts.abort_wait_s
         fault_iteration = s.iteration
-        self._set_phase(_Phase.ABORTING)
+        self._set_phase(Phase.ABORTING)
         if not outcome.done.wait(abort_wait):
             raise LeaveJob(TimeoutError(f"abort did not finish within {abort_wait:g}s"), Leave.ABORT_FAILED)
         self._check_outcome(outcome)
@@ -400,36 +393,37 @@ class CallWrapper:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record = RestartRecord(fault_iteration, [], 0, [], detected_ns=outcome.detected_ns,
                                aborted_ns=outcome.aborted_ns)
+        # Before the decision, which no rank knows yet: what every plan releases today
+        # (recovery_plan.RELEASED_BEFORE_DECISION: the iteration's groups and store client).
         self._runtime.release_iteration()
-        self._set_phase(_Phase.FINALIZING)
+        self._set_phase(Phase.FINALIZING)
         self._run_recovery_hook(self._w.finalize, Leave.FINALIZE_FAILED)
         record.finalized_ns = time.monotonic_ns()
-        self._set_phase(_Phase.HEALTH_CHECK)
+        self._set_phase(Phase.HEALTH_CHECK)
         try:
             self._check_health()
         except BaseException as e:
             raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
 
-        self._set_phase(_Phase.RESTART_BARRIER)
+        self._set_phase(Phase.RESTART_BARRIER)
         decision = self._barrier(fault_iteration + 1, s.world_size)
         record.decided_ns = time.monotonic_ns()
         record.faults, record.n_faults, record.terminated = decision.faults, decision.n_faults, decision.terminated
         record.assignment_ns = decision.assignment_ns
         here = [f.t_ns for f in decision.faults if f.host == protocol.HOST and f.t_ns]
         record.fault_ns = min(here) if here else 0
-        previous = self._membership
-        if previous is not None and decision.joined:
-            previous = previous.with_joined(decision.joined)
-        record.joined = [seat for seat, _ in decision.joined]
-        if previous is not None:
-            record.activated = [r for r, (was, now) in enumerate(zip(previous.mode, decision.membership.mode,
-                                                                       strict=True))
-                                if was == Mode.INACTIVE and now == Mode.ACTIVE]
+        joined = [seat for seat, _ in decision.joined]
+        plan = RecoveryPlan.for_rank(self._membership, decision, s.initial_rank, joined)
+        summary = DecisionSummary.of(self._membership, decision, joined)
+        record.joined = summary.joined
+        # A joiner enters as a spare: one that became active is counted among the spares activated.
+        record.activated = sorted(summary.activated + [r for r in summary.joined
+                                                       if decision.membership.mode[r] == Mode.ACTIVE])
         verdict = self._storm.observe(record, decision.host, decision.t_ns)
         self.restarts.append(record)
-        self._emit_decision(decision)
-        self._apply(decision)
+        self._emit_decision(decision, summary)
+        self._apply(decision, plan)
         self._log_restart(record, verdict)
         self._storm.wait(verdict)  # a restart storm: every rank waits the same (engine/storm.py)
 
@@ -447,13 +441,13 @@ class CallWrapper:
         self._emit("iteration_start", iteration=s.iteration, mode=s.mode.name, job_rank=s.rank,
                    active_rank=s.active_rank, world_size=s.world_size, active_world_size=s.active_world_size)
 
-    def _emit_decision(self, decision: Decision) -> None:
+    def _emit_decision(self, decision: Decision, summary: DecisionSummary) -> None:
         m = decision.membership
         records = [{"rank": f.rank, "kind": f.kind, "type": f.type, "message": f.message, "t_ns": f.t_ns,
                     "host": f.host} for f in decision.faults[:8]]
         self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
                    active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
-                   n_faults=decision.n_faults, faults=records)
+                   n_faults=decision.n_faults, faults=records, **summary.fields())
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -524,23 +518,23 @@ class CallWrapper:
     def _read_topology(self) -> list[list[list[str]]]:
         return self._runtime.protocol.read_topology(self.state.initial_world_size)
 
-    def _apply(self, decision: Decision) -> None:
+    def _apply(self, decision: Decision, plan: RecoveryPlan) -> None:
+        """This rank takes the role its plan gives it (engine/recovery_plan.py), or leaves."""
         s = self.state
-        m = decision.membership
         r = s.initial_rank
         before, previous = s.freeze(), self._membership
         if decision.joined:
             self._assignment.forget_topology()  # the joiners' keys replace their seats' old ones
             if previous is not None:
                 previous = previous.with_joined(decision.joined)
-        self._membership = m
+        self._membership = decision.membership
         s.iteration = decision.iteration
-        if decision.abort is not None:
-            self._runtime.protocol.leave(decision.iteration, m.world_size)
+        if plan.ends_job is not None:
+            self._runtime.protocol.leave(decision.iteration, plan.new_world_size)
             # The leader ran the failing hook: it leaves with the hook's own exception, as a
             # per-rank caller would; the others with a RestartAbort that names it.
             failure = self._assignment.take_failure() if decision.leader == r else None
-            raise LeaveJob(failure or RestartAbort(decision.abort), Leave.JOB_ABORTED)
+            raise LeaveJob(failure or RestartAbort(plan.ends_job), Leave.JOB_ENDED)
         try:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision ends the
             # job). A joiner has no previous state of its own to run it on: the leader ran it as a spare's.
@@ -548,29 +542,27 @@ class CallWrapper:
                 self._assignment.verify(decision, previous, before, self._read_topology)
         except RankAssignmentMismatch as e:
             raise LeaveJob(e, Leave.TERMINATED) from None
-        mode = Mode(m.mode[r])
-        if mode == Mode.TERMINATED:
+        if plan.leaves:
             raise LeaveJob(RankDiscarded(f"initial rank {r} was terminated by the rank assignment"),
                             Leave.DISCARDED)
-        s.mode = mode
-        s.rank = m.rank[r]
-        s.world_size = m.world_size
-        s.active_rank = m.active_rank[r] if mode == Mode.ACTIVE else None
-        s.active_world_size = m.active_world_size
-        if mode == Mode.ACTIVE:
-            os.environ["RANK"] = str(s.active_rank)
-            os.environ["WORLD_SIZE"] = str(s.active_world_size)
-        else:
-            # A spare has no rank in the running job; it never sees "None" there.
-            os.environ.pop("RANK", None)
-            os.environ.pop("WORLD_SIZE", None)
-        self._runtime.heartbeat.begin_iteration(s.iteration, s.world_size)
+        assert plan.new_rank is not None  # every rank still in the job has one (Membership.validate)
+        s.mode = plan.new_mode
+        s.rank = plan.new_rank
+        s.world_size = plan.new_world_size
+        s.active_rank = plan.new_active_rank
+        s.active_world_size = plan.new_active_world_size
+        for name, value in plan.environment().items():
+            if value is None:
+                os.environ.pop(name, None)  # a spare has no rank in the running job; it never sees "None" there
+            else:
+                os.environ[name] = value
+        self._runtime.hang_guard.begin_iteration(s.iteration, s.world_size)
         if decision.leader == r and decision.iteration > 0:
             self._runtime.delete_user_keys(decision.iteration - 1)
 
     def _complete(self, value: Any) -> Any:
         s = self.state
-        self._set_phase(_Phase.DONE)
+        self._set_phase(Phase.DONE)
         self._emit("exit", outcome="completed", reason=None, iteration=s.iteration)
         self._runtime.protocol.leave(s.iteration, s.world_size)
         if self._w.completion is not None:
@@ -581,7 +573,7 @@ class CallWrapper:
         """The job ended while this process waited to join it: it was never a member (it tells
         nobody it leaves), and its call returns what a spare's returns."""
         s = self.state
-        self._set_phase(_Phase.DONE)
+        self._set_phase(Phase.DONE)
         self._emit("exit", outcome="completed", reason="never joined", iteration=s.iteration)
         return None
 
@@ -612,7 +604,7 @@ class CallWrapper:
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.
-        self._set_phase(_Phase.TERMINATED)
+        self._set_phase(Phase.TERMINATED)
         if self._w.terminate is not None:
             try:
                 self._w.terminate(s.freeze())
@@ -623,7 +615,7 @@ class CallWrapper:
         if lost is not None:
             # Counted out above; the process must go so the launcher replaces it (exit status 76).
             leave_for_lost_context(lost)
-        exit_if_abort_abandoned()  # counted out above; torch's groups must not be touched again
+        exit_if_nccl_abort_abandoned()  # counted out above; torch's groups must not be touched again
         raise exc
 
     # -- entering and leaving the call -------------------------------------------
@@ -660,8 +652,12 @@ class CallWrapper:
 
     # -- called from the engine's threads ------------------------------------------
 
-    def _run_abort_hook(self) -> None:
-        """From the restart trigger thread, once the main thread was interrupted."""
+    def _release_main_thread(self) -> None:
+        """From the restart trigger thread, once the main thread was interrupted: release it from
+        whatever the failed iteration blocked it in (the function's store connection shut down, then
+        the user's ``abort`` hook, by default the process groups' abort). Not to be confused with the
+        decision that ends the job (``Decision.abort``, ``RestartAbort``) nor with NCCL's
+        communicator abort that the hook may run (``gpu/nccl_abort.py``)."""
         iteration = self.state.iteration
         self._emit("restart_detected", iteration=iteration)
         try:
@@ -713,12 +709,15 @@ class CallWrapper:
         if rt is not None and event.iteration == s.iteration and s.mode == Mode.ACTIVE and not rt.interrupter.fired:
             report_soft_timeout(rt.protocol, s, event, _seconds(self._w.timeouts.soft_timeout), self._emit)
 
-    def _set_phase(self, phase: Any) -> None:
+    def _set_phase(self, phase: Phase) -> None:
+        """Enter ``phase``, as its row of the phase table (engine/phases.py) says."""
+        row = phases.row(phase)
         if self._rt is not None:
-            self._rt.hang_guard.enter(phase)  # a restart's hooks get hard_timeout (engine/hang_guard.py)
-            self._emit("phase", phase=phase.name, iteration=self.state.iteration)
-        s = self.state  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
-        faults.enter_phase(phase.name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
+            self._rt.hang_guard.enter(phase)  # the row's hang rule: a restart's hooks get hard_timeout
+            self._emit("phase", phase=row.name, iteration=self.state.iteration)
+        if row.fault_name is not None:  # INPROCESS_FAULTS: a fault on entering this phase (phase=NAME)
+            s = self.state
+            faults.enter_phase(row.fault_name, s.initial_rank, s.initial_world_size, s.iteration, s.mode)
 
     def _emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
         events = self._rt.events if self._rt is not None else None

@@ -23,6 +23,9 @@ native watchdog (soft timeout, in the rank) and the monitor's guard (hard timeou
 * **Every other phase** (the barriers, the wait for completion, leaving): none.
   Those waits are the engine's own, each bounded by its own timeout, and a rank
   waiting at a barrier for a slow peer is not hung.
+
+Which phase has which rule is the phase table's column ``hang_rule``
+(``engine/phases.py``); this module applies it.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ import contextlib
 from typing import Iterator
 
 from .. import _native
-
-_Phase = _native.Phase
-
-RESTART_PHASES = frozenset({_Phase.ABORTING, _Phase.FINALIZING, _Phase.HEALTH_CHECK})
+from . import phases
+from .phases import HangRule
 
 
 class HangGuard:
-    """Sets the phase, the timeouts and the flags of one rank's heartbeat page."""
+    """The one Python writer of a rank's heartbeat page: its phase, timeouts, flags and progress.
+
+    (The native watchdog's automatic-progress stamp, run as a pending call in
+    the main thread, is the page's only other writer; the monitor only reads it.)
+    """
 
     def __init__(self, page: _native.HeartbeatPage, soft_timeout_s: float, hard_timeout_s: float):
         self.page = page
@@ -46,6 +51,23 @@ class HangGuard:
         self.hard_ns = int(hard_timeout_s * 1e9)
         page.set_timeouts(self.soft_ns, self.hard_ns)
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        self.ping = page.ping  # manual progress (CallWrapper.ping): the page's own method, no call in between
+        self.stamp_progress = page.stamp_auto  # automatic progress, stamped by a waiting spare
+        self.begin_iteration = page.begin_iteration  # the iteration and world size a decision starts
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Both timeouts off while the block runs (CallWrapper.disable_hang_protection), re-armed after."""
+        page = self.page
+        page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
+        try:
+            yield
+        finally:
+            # Re-arm from now: the time spent inside the block does not count.
+            page.stamp_auto()
+            if page.snapshot().flags & _native.FLAG_MANUAL_ARMED:
+                page.ping()
+            page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, False)
 
     @contextlib.contextmanager
     def training(self, iteration: int, world_size: int) -> Iterator[None]:
@@ -62,9 +84,10 @@ class HangGuard:
     def enter(self, phase: _native.Phase) -> None:
         """The rank enters ``phase``: publish it, and apply what its phase's rule says."""
         page = self.page
-        if phase in RESTART_PHASES:
+        if phases.row(phase).hang_rule is HangRule.HARD_ONLY:
             self._hard_timeout_only(phase)
             return
+        # NONE, and SOFT_AND_HARD: those timeouts are armed by training() around the run, not at the entry.
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
         page.set_phase(phase)
 

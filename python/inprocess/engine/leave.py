@@ -28,12 +28,12 @@ class Leave(enum.Enum):
     HEALTH_CHECK_FAILED = "health_check"
     COUNTED_OUT = "counted_out"  # a monitor declared this rank lost and counted it out
     DISCARDED = "discarded"  # the rank assignment terminated it
-    JOB_ABORTED = "abort_job"  # the decision ended the job on every rank
+    JOB_ENDED = "abort_job"  # the decision ended the job on every rank (Decision.abort; RestartAbort)
 
     @property
     def counted_already(self) -> bool:
         """The store knows already: the rank records no fault and does not count itself out."""
-        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ABORTED)
+        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ENDED)
 
 
 class LeaveJob(Exception):
@@ -136,7 +136,7 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def exit_if_abort_abandoned() -> None:
+def exit_if_nccl_abort_abandoned() -> None:
     """A rank whose NCCL abort was abandoned at its deadline (``NcclAbortTimeout``)
     ends its process here, once it is counted out, with exit status 75 (the rank
     the restart could not release), without Python's exit machinery: the

@@ -99,14 +99,14 @@ class RankRuntime:
         call_index: int,
         *,
         on_soft_timeout: Callable[[Any], None],
-        run_abort: Callable[[], None],
+        release_main_thread: Callable[[], None],
         leave_unreleasable: Callable[[RestartProtocol, int], None],
         join_token: str = "",
     ) -> RankRuntime:
         """Open the rank's resources in order; on any failure, close what was opened and re-raise."""
         rt = cls(wrapper, state, call_index, join_token)
         with rt._stack:
-            rt._open(on_soft_timeout, run_abort, leave_unreleasable)
+            rt._open(on_soft_timeout, release_main_thread, leave_unreleasable)
             rt._stack = rt._stack.pop_all()  # success: the stack now outlives the with block
         return rt
 
@@ -118,7 +118,7 @@ class RankRuntime:
     def _open(
         self,
         on_soft_timeout: Callable[[Any], None],
-        run_abort: Callable[[], None],
+        release_main_thread: Callable[[], None],
         leave_unreleasable: Callable[[RestartProtocol, int], None],
     ) -> None:
         t = self._w.timeouts
@@ -160,7 +160,7 @@ class RankRuntime:
         self.trigger = RestartTrigger(
             trigger_protocol,
             self.interrupter,
-            run_abort,
+            release_main_thread,
             release_timeout=t.release_wait_s,
             leave=lambda iteration: leave_unreleasable(trigger_protocol, iteration),
         )

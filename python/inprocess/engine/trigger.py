@@ -51,13 +51,13 @@ class RestartTrigger:
         self,
         protocol: RestartProtocol,
         interrupter: MainThreadInterrupter,
-        run_abort: Callable[[], None],
+        release_main_thread: Callable[[], None],
         release_timeout: float,
         leave: Callable[[int], None],
     ):
         self._protocol = protocol
         self._interrupter = interrupter
-        self._run_abort = run_abort
+        self._release_main_thread = release_main_thread
         self._release_timeout = release_timeout
         self._leave = leave
         self._cond = threading.Condition()
@@ -121,7 +121,7 @@ class RestartTrigger:
             if outcome.event == RESTART:
                 self._interrupter.fire(f"iteration {outcome.iteration} restarts")
                 try:
-                    self._run_abort()
+                    self._release_main_thread()
                 except BaseException as e:
                     outcome.abort_error = e
                 outcome.aborted_ns = time.monotonic_ns()

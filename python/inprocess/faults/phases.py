@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from ..engine import phases as phase_table
 from ..state import Mode
 from . import unfired
 from .arming import ENV_VAR, fire, plan_from_environment
@@ -19,15 +20,8 @@ from .plan import MAIN_THREAD_KINDS, PHASES, FaultPlan, ScheduledFault
 
 log = logging.getLogger("inprocess.faults")
 
-# The wrapper's phase (inprocess._native.Phase's name) -> the name a plan gives it.
-WRAPPER_PHASES = {
-    "INITIAL_BARRIER": "entry",
-    "RUNNING": "initialize",
-    "ABORTING": "abort",
-    "FINALIZING": "finalize",
-    "HEALTH_CHECK": "health_check",
-    "RESTART_BARRIER": "barrier",
-}
+# The wrapper's phase (inprocess._native.Phase's name) -> the name a plan gives it (the phase table's column).
+WRAPPER_PHASES = {row.name: row.fault_name for row in phase_table.TABLE if row.fault_name is not None}
 
 # (plan, rank, world size, iteration, active) -> the phase faults due then; the last one only.
 _due: dict[tuple[FaultPlan, int, int, int, bool], dict[str, list[ScheduledFault]]] = {}

@@ -35,6 +35,8 @@ import re
 from random import Random
 from typing import Callable, Optional
 
+from ..engine import phases as phase_table
+
 MAX_RANK = 2**31 - 1
 MAX_STEP = 10**15
 MAX_ITERATION = 2**31 - 1
@@ -71,14 +73,10 @@ MAIN_THREAD_KINDS = frozenset({Kind.EXCEPTION, Kind.HANG})
 GPU_KINDS = frozenset({Kind.GPU_ERROR, Kind.GPU_SLEEP})
 KINDS_WITH_DURATION = frozenset({Kind.HANG, Kind.GIL_HANG, Kind.GPU_SLEEP})
 
-# The wrapper's phases a fault may name (phase=NAME), and when a rank enters each.
+# The phases a fault may name (phase=NAME), and when a rank enters each: the wrapper's, from the
+# phase table (engine/phases.py), and two steps of a barrier that only its leader goes through.
 PHASES = {
-    "entry": "the wrapped call starts, before the initial barrier (iteration 0)",
-    "initialize": "an iteration starts, before the initialize hook and the health check before it",
-    "abort": "the main thread is back from the interrupted iteration; the abort runs meanwhile",
-    "finalize": "the restart's finalize hook is about to run",
-    "health_check": "the restart's health check is about to run",
-    "barrier": "the rank arrives at the restart barrier",
+    **phase_table.fault_names(),
     "reassignment": "the barrier's leader (only) computes the decision, before the rank assignment runs",
     "takeover": "a rank that took the lead over from a leader lost before its decision computes it instead",
 }

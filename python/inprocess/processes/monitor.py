@@ -53,6 +53,7 @@ from .. import _native
 from ..control.joining import ADMITTED, GONE, JoinKeys, Outcome
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
+from ..engine import phases
 from ..state import Mode
 from .contract import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, MonitorConfig, StopRequest, run_helper
 
@@ -61,10 +62,9 @@ EXIT_UNKILLABLE = 5
 
 _FOREVER_S = 10 * 365 * 24 * 3600.0
 _MARK_GONE_CONNECT_S = 2.0  # a monitor that must reconnect to say it leaves does not wait longer
-_FINISHED = (_native.Phase.DONE, _native.Phase.TERMINATED)
-_BEFORE_FIRST_DECISION = (_native.Phase.STARTING, _native.Phase.INITIAL_BARRIER)
+_FINISHED = phases.finished()
 # Where a rank may be counted healthy at a barrier whose decision is not out (it may lead it).
-_IN_BARRIER = (_native.Phase.INITIAL_BARRIER, _native.Phase.RESTART_BARRIER)
+_IN_BARRIER = phases.counted_in_barrier()
 
 log = logging.getLogger("inprocess.processes.monitor")
 

@@ -11,13 +11,14 @@ import statistics
 from typing import Any, Optional
 
 from inprocess.control.protocol import FaultRecord
+from inprocess.engine import phases as phase_table
 from inprocess.engine.restart_record import is_consequence
 from inprocess.timeline.reading import Event, Loaded, Run, Segment
 
 MAIN = "main"  # the rank's main thread: its phases
 TRIGGER = "trigger"  # the restart trigger thread: the abort
 
-RESTART_PHASES = ("ABORTING", "FINALIZING", "HEALTH_CHECK", "RESTART_BARRIER")
+RESTART_PHASES = phase_table.restart_phase_names()  # in a restart's order
 SPARE = "SPARE"  # a slice the timeline adds: a spare waits out an iteration (no phase event says so)
 # The main thread still in the function after the restart was detected: the abort releasing it.
 RELEASE = "RUNNING after the restart was detected"
