@@ -40,7 +40,7 @@ def outcome_of(keys: JoinKeys, token_pid: int) -> "Outcome | None | str":
     return "absent"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_job_meets_every_kind_of_joiner(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -49,7 +49,7 @@ def test_a_job_meets_every_kind_of_joiner(tmp_path: pathlib.Path) -> None:
             "kills": [{"seat": 3, "life": 0, "step": 8}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 3}]}
     other_plan = {**plan, "wrapper": {**wrapper, "soft_timeout": 80}}
     env = {"INPROCESS_TEST_OUT": str(out), "INPROCESS_TEST_PLAN": json.dumps(plan), "INPROCESS_TEST_LOG": "INFO",
-           "INPROCESS_RESTART_STORM": "off", "INPROCESS_TEST_DUMP_AFTER": "250"}
+           "INPROCESS_RESTART_STORM": "off", "INPROCESS_TEST_DUMP_AFTER": "380"}
     with LocalJob([str(WORKERS / "join_worker.py")], 4, env=env) as job:
         try:
             client = dist.TCPStore("127.0.0.1", job.port, 1, False, datetime.timedelta(seconds=30))
@@ -65,7 +65,7 @@ def test_a_job_meets_every_kind_of_joiner(tmp_path: pathlib.Path) -> None:
             unfit = job.respawn(3, 2, {"INPROCESS_TEST_PLAN": json.dumps(other_plan)})
             held = job.respawn(1, 1)
             fit = job.respawn(3, 3)  # seat 2's kill waits for it: then the restart admits it
-            job.wait(240)
+            job.wait(360)
             every: list[RankProcess] = job.ranks + job.respawned
             for rp in job.respawned:
                 rp.output, _ = rp.popen.communicate(timeout=30)

@@ -101,7 +101,7 @@ def kill_here(step, active_rank):
     return None
 
 
-def wait_for_joiners(count, timeout=60.0):
+def wait_for_joiners(count, timeout=240.0):
     """Until ``count`` joiners announced themselves (a test's own look at the store, through
     the engine's internals): the kill that follows then finds them waiting."""
     from inprocess.control.joining import JoinKeys
