@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--joiners", type=int, default=d.joiners,
                     help="joins: restarts go in threes, K ranks lost, K joiners admitted into their seats, a plain "
                          "restart (the baseline); figures per kind of restart (default 0: no joiners)")
+    ap.add_argument("--joiner-layout", choices=["nodes", "spread"], default=d.joiner_layout,
+                    help="--joiners: the lost ranks are whole nodes of 8 (default) or single ranks far apart")
     ap.add_argument("--timeout-s", type=float, default=None, help=f"every wait (default {d.timeout_s})")
     ap.add_argument("--out", metavar="DIR",
                     help="write control_plane.json, control_plane.md (its results block) and control_plane.png "
@@ -83,7 +85,7 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> SimConfig:
         ap.error(f"--ranks-per-node={args.ranks_per_node}: expected >= 0")
     try:
         return SimConfig(kind=args.kind, decode=args.decode, heartbeat_interval_s=args.heartbeat_interval_s,
-                         joiners=args.joiners,
+                         joiners=args.joiners, joiner_layout=args.joiner_layout,
                          ranks_per_node=0 if args.direct else args.ranks_per_node, **settings)
     except ValueError as e:
         ap.error(str(e))

@@ -23,6 +23,7 @@ class SimConfig:
     heartbeat_interval_s: float = 30.0  # the Wrapper's default heartbeat_interval
     timeout_s: float = 120.0  # every wait and every message from a process
     joiners: int = 0  # restarts in threes: K ranks lost, K joiners admitted, a plain one (control_plane/joins.py)
+    joiner_layout: str = "nodes"  # the lost ranks: whole nodes ("nodes") or single ranks far apart ("spread")
 
     def __post_init__(self) -> None:
         for name in ("procs", "groups", "restarts"):
@@ -41,6 +42,8 @@ class SimConfig:
             raise ValueError(f"kind={self.kind!r}: expected 'killed' or 'exception'")
         if self.decode not in ("shared", "every-rank"):
             raise ValueError(f"decode={self.decode!r}: expected 'shared' or 'every-rank'")
+        if self.joiner_layout not in ("nodes", "spread"):
+            raise ValueError(f"joiner_layout={self.joiner_layout!r}: expected 'nodes' or 'spread'")
         if self.joiners and self.kind != "killed":
             raise ValueError(f"joiners={self.joiners}: joiners take the seats of killed ranks: expected kind 'killed'")
 

@@ -211,10 +211,10 @@ class Session:
         for k, c in enumerate(clients):
             c.send({"cmd": "job", "n": n, "call": call, "lo": bounds[k], "hi": bounds[k + 1], "faulty": faulty,
                     "kind": cfg.kind, "timeout_s": cfg.timeout_s, "check_membership": cfg.check_membership,
-                    "ranks_per_node": rpn, "joiners": cfg.joiners})
+                    "ranks_per_node": rpn, "joiners": cfg.joiners, "joiner_layout": cfg.joiner_layout})
         for c in clients:
             c.answer(cfg.timeout_s, "ranks armed")
-        plan = JoinPlan(n, cfg.joiners, cfg.restarts, faulty)
+        plan = JoinPlan(n, cfg.joiners, cfg.restarts, faulty, cfg.joiner_layout)
         restarts = []
         for j in range(cfg.restarts):
             r = self._restart(n, j, faulty, clients, rpn, plan)

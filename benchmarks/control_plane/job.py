@@ -68,7 +68,8 @@ class SimJob:
         self.kind: str = cfg["kind"]
         self.timeout_s: float = cfg["timeout_s"]
         self.check_membership: bool = cfg["check_membership"]
-        self.plan = JoinPlan(self.n, cfg.get("joiners", 0), len(self.faulty), self.faulty)
+        self.plan = JoinPlan(self.n, cfg.get("joiners", 0), len(self.faulty), self.faulty,
+                             cfg.get("joiner_layout", "nodes"))
         self.joiners: dict[int, SimJoiners] = {}  # restart -> this process's joiners admitted in it
         self.admit_ns: dict[int, int] = {}  # restart -> the leader's joining.admit, when it led here
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())

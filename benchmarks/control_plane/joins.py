@@ -4,7 +4,12 @@ With K joiners a job's restarts go in threes (cycle c = restart // 3):
 
 * restart 3c, **lose**: besides the restart's one fault, K more ranks die;
   their monitors count each of them out (``count_out``, as for the fault),
-  so that their seats are free in the membership the next restart starts from;
+  so that their seats are free in the membership the next restart starts from.
+  Layout ``nodes`` (the default): whole nodes of 8 consecutive ranks, as when
+  nodes fail and their replacements' processes join; ``spread``: single
+  ranks 16384/K apart, the worst case for the decision's size (every lost
+  seat, and every joiner ranked last, is a run of its own in the encoded
+  membership);
 * restart 3c+1, **admit**: K simulated joiners, one per free seat, announce
   themselves as the restart begins (the real :class:`JoinKeys` calls of
   ``inprocess/engine/join.py``: a read of the seat, a read of ``running``,
@@ -39,6 +44,8 @@ from inprocess.control.records import HOST
 from .wire import SharedStore, Tally
 
 LOSE, ADMIT, PLAIN = "lose", "admit", "plain"
+NODES, SPREAD = "nodes", "spread"  # where the lost ranks sit: whole nodes (blocks of 8 ranks), or one rank apart
+LAYOUTS = (NODES, SPREAD)
 PHASES = (LOSE, ADMIT, PLAIN)
 # What a simulated joiner's configuration holds (engine/join.job_config's fields); the job's is the same.
 JOB_CONFIG = {"function": "simulated.train", "initial_world_size": "?", "timeouts": "simulated",
@@ -48,19 +55,32 @@ JOB_CONFIG = {"function": "simulated.train", "initial_world_size": "?", "timeout
 class JoinPlan:
     """Which ranks die and which seats are taken back in each restart of a job with joiners."""
 
-    def __init__(self, n: int, joiners: int, restarts: int, faulty: list[int]):
+    def __init__(self, n: int, joiners: int, restarts: int, faulty: list[int], layout: str = NODES, block: int = 8):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
         self.n, self.joiners, self.restarts = n, joiners, restarts
         self.faulty = faulty
         used = set(faulty)
         self.lost: list[list[int]] = []  # per cycle: the K ranks lost in its restart 3c
         for c in range((restarts + 2) // 3 if joiners else 0):
             ranks: list[int] = []
-            for k in range(joiners):
-                r = (k * (n // joiners) + 1 + 2 * c) % n  # spread over the job, nodes and client processes
-                while r in used:
-                    r = (r + 1) % n
-                used.add(r)
-                ranks.append(r)
+            if layout == SPREAD:
+                for k in range(joiners):
+                    r = (k * (n // joiners) + 1 + 2 * c) % n  # one rank here and there, over the whole job
+                    while r in used:
+                        r = (r + 1) % n
+                    used.add(r)
+                    ranks.append(r)
+            else:
+                blocks = -(-joiners // block)
+                for b in range(blocks):
+                    size = min(block, joiners - b * block)
+                    start = ((b * (n // blocks)) // block + 1 + c) * block % n  # whole nodes, spread over the job
+                    while any((start + i) % n in used for i in range(size)):
+                        start = (start + block) % n
+                    members = [(start + i) % n for i in range(size)]
+                    used.update(members)
+                    ranks.extend(members)
             self.lost.append(sorted(ranks))
         self._cycle_of = {r: c for c, ranks in enumerate(self.lost) for r in ranks}
 

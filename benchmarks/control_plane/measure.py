@@ -210,6 +210,7 @@ def phase_figures(restarts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "ops_leader": statistics.median(r["ops_leader"] for r in rs),
             "requests_per_rank": statistics.median(r["requests_total"] / r["ranks"] for r in rs),
             "server_cpu_ms": statistics.median(r["server_cpu_ms"] for r in rs),
+            "decision_bytes": max(r["decision_bytes"] for r in rs),
             "admit_ms": statistics.median(r["admit_ms"] for r in rs if r.get("admit_ms") is not None)
             if any(r.get("admit_ms") is not None for r in rs) else None,
         }

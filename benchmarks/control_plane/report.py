@@ -163,8 +163,8 @@ JOIN_BAR_MEDIAN_MS, JOIN_BAR_MAX_MS = 500.0, 1000.0  # issue 21: every restart t
 def join_table(results: list[dict[str, Any]]) -> str:
     """One row per mode, N and kind of restart (lose, admit, plain)."""
     head = ["mode", "N", "restarts", "kind", "median ms p50", "median ms worst", "max ms p50", "max ms worst",
-            "ops/rank", "ops/rank max", "ops leader", "requests/rank", "server CPU ms", "admit ms", "joiners",
-            "joiner admitted ms", "joiner decided max ms", "joiner ops"]
+            "ops/rank", "ops/rank max", "ops leader", "requests/rank", "server CPU ms", "decision B", "admit ms",
+            "joiners", "joiner admitted ms", "joiner decided max ms", "joiner ops"]
     rows = [head]
     for r in results:
         phases = r.get("phases")
@@ -176,7 +176,8 @@ def join_table(results: list[dict[str, Any]]) -> str:
                 "max_ms_p50": statistics.median(maxima), "max_ms_worst": max(maxima),
                 "ops_per_rank_median": r["ops_per_rank_median"], "ops_per_rank_max": r["ops_per_rank_max"],
                 "ops_leader": r["ops_leader"], "requests_per_rank": r["requests_total"] / r["ranks"],
-                "server_cpu_ms": r["server_cpu_ms"], "admit_ms": r.get("admit_ms")}}
+                "server_cpu_ms": r["server_cpu_ms"], "decision_bytes": max(x["decision_bytes"] for x in per),
+                "admit_ms": r.get("admit_ms")}}
         for phase, f in (phases or {}).items():
             def g(key: str, fmt: str, f: dict[str, Any] = f) -> str:
                 v = f.get(key)
@@ -184,7 +185,8 @@ def join_table(results: list[dict[str, Any]]) -> str:
             rows.append([r["mode"], str(r["n"]), str(f["restarts"]), phase, g("median_ms_p50", "{:.0f}"),
                          g("median_ms_worst", "{:.0f}"), g("max_ms_p50", "{:.0f}"), g("max_ms_worst", "{:.0f}"),
                          g("ops_per_rank_median", "{:g}"), g("ops_per_rank_max", "{:g}"), g("ops_leader", "{:g}"),
-                         g("requests_per_rank", "{:.2f}"), g("server_cpu_ms", "{:.0f}"), g("admit_ms", "{:.1f}"),
+                         g("requests_per_rank", "{:.2f}"), g("server_cpu_ms", "{:.0f}"),
+                         g("decision_bytes", "{:.0f}"), g("admit_ms", "{:.1f}"),
                          g("joiners", "{:d}"), g("joiner_admitted_median_ms", "{:.0f}"),
                          g("joiner_decided_max_ms", "{:.0f}"), g("joiner_ops_median", "{:g}")])
     widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
