@@ -24,12 +24,14 @@ def _children() -> set[int]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("ranks_per_node", [8, 0], ids=["node", "direct"])
-def test_joiners_are_admitted_into_the_seats_lost_in_the_restart_before(ranks_per_node: int) -> None:
+@pytest.mark.parametrize(("ranks_per_node", "layout"), [(8, "nodes"), (0, "nodes"), (8, "spread")],
+                         ids=["node", "direct", "node-spread"])
+def test_joiners_are_admitted_into_the_seats_lost_in_the_restart_before(ranks_per_node: int, layout: str) -> None:
     before = _children()
     n, k = 64, 4
-    cfg = SimConfig(procs=2, groups=2, restarts=6, joiners=k, decode="every-rank", check_membership=True,
-                    settle_s=0.1, steady_s=0.2, heartbeat_rounds=0, timeout_s=60.0, ranks_per_node=ranks_per_node)
+    cfg = SimConfig(procs=2, groups=2, restarts=6, joiners=k, joiner_layout=layout, decode="every-rank",
+                    check_membership=True, settle_s=0.1, steady_s=0.2, heartbeat_rounds=0, timeout_s=60.0,
+                    ranks_per_node=ranks_per_node)
     result = simulate(n, cfg)
     assert _children() - before == set()  # every process the simulator started is gone
 
@@ -58,6 +60,15 @@ def test_joiners_are_admitted_into_the_seats_lost_in_the_restart_before(ranks_pe
     assert k <= admit["ops_leader"] - lose["ops_leader"] <= 7 * k, phases
     if ranks_per_node:
         assert admit["ops_per_rank_median"] == 1, phases
+
+
+def test_join_plan_blocks_avoid_the_faulty_ranks() -> None:
+    faulty = pick_faulty(16, 3)  # [9, 0, 7]: both node-aligned blocks of 8 hold one
+    plan = JoinPlan(16, 2, 3, faulty)
+    assert len(plan.lost[0]) == 2 and not set(plan.lost[0]) & set(faulty)
+    assert plan.lost[0][1] == plan.lost[0][0] + 1  # consecutive ranks
+    with pytest.raises(ValueError, match="no 8 consecutive ranks"):
+        JoinPlan(16, 8, 6, pick_faulty(16, 6))
 
 
 def test_join_plan_rows_follow_shift_ranks_with_joiners_last() -> None:

@@ -76,13 +76,23 @@ class JoinPlan:
                 for b in range(blocks):
                     size = min(block, joiners - b * block)
                     start = ((b * (n // blocks)) // block + 1 + c) * block % n  # whole nodes, spread over the job
-                    while any((start + i) % n in used for i in range(size)):
-                        start = (start + block) % n
-                    members = [(start + i) % n for i in range(size)]
+                    members = self._free_block(start, size, block, used)
                     used.update(members)
                     ranks.extend(members)
             self.lost.append(sorted(ranks))
         self._cycle_of = {r: c for c, ranks in enumerate(self.lost) for r in ranks}
+
+    def _free_block(self, start: int, size: int, block: int, used: set[int]) -> list[int]:
+        """``size`` consecutive free ranks from ``start`` on: at a node boundary if one is free, else anywhere."""
+        n = self.n
+        for step, tries in ((block, -(-n // block)), (1, n)):
+            at = start
+            for _ in range(tries):
+                members = [(at + i) % n for i in range(size)]
+                if not used.intersection(members):
+                    return members
+                at = (at + step) % n
+        raise ValueError(f"N={n}: no {size} consecutive ranks left to lose (faults and earlier losses hold them)")
 
     def phase(self, j: int) -> str:
         return PLAIN if not self.joiners else PHASES[j % 3]
