@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="heartbeat interval the steady-state figures are given for")
     ap.add_argument("--joiners", type=int, default=d.joiners,
                     help="joins: restarts go in threes, K ranks lost, K joiners admitted into their seats, a plain "
-                         "restart (the baseline); figures per kind of restart (default 0: no joiners)")
+                         "restart; before that job, one of the same N without joiners (the baseline); figures per "
+                         "kind of restart (default 0: no joiners; with joiners, --restarts counts all three kinds)")
     ap.add_argument("--joiner-layout", choices=["nodes", "spread"], default=d.joiner_layout,
                     help="--joiners: the lost ranks are whole nodes of 8 (default) or single ranks far apart")
     ap.add_argument("--timeout-s", type=float, default=None, help=f"every wait (default {d.timeout_s})")

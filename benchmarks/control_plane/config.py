@@ -44,6 +44,9 @@ class SimConfig:
             raise ValueError(f"decode={self.decode!r}: expected 'shared' or 'every-rank'")
         if self.joiner_layout not in ("nodes", "spread"):
             raise ValueError(f"joiner_layout={self.joiner_layout!r}: expected 'nodes' or 'spread'")
+        if self.joiners and self.restarts < 2:
+            raise ValueError(f"restarts={self.restarts} with joiners={self.joiners}: expected >= 2 (the loss of K "
+                             f"ranks, then the restart that admits their joiners)")
         if self.joiners and self.kind != "killed":
             raise ValueError(f"joiners={self.joiners}: joiners take the seats of killed ranks: expected kind 'killed'")
 
