@@ -20,7 +20,9 @@ Python::
 Modules, by concept: :mod:`.config` (what a run does), :mod:`.harness`
 (the server, the client processes, :class:`Session`), :mod:`.client` (a
 client process's command loop), :mod:`.job` (the simulated ranks of one
-job in one process: setup, faults), :mod:`.ranks` and :mod:`.nodes` (how
+job in one process: setup, faults), :mod:`.joins` (``--joiners``: seats
+lost, then taken back by joiners through the real join protocol),
+:mod:`.ranks` and :mod:`.nodes` (how
 simulated ranks and nodes share threads and connections), :mod:`.wire` (the
 store a simulated rank sees, bytes on the wire), :mod:`.decoding`,
 :mod:`.measure` (figures and checks), :mod:`.report` (tables, markdown,

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from .config import SimConfig
 from .harness import Session
-from .report import STEADY_COLUMNS, markdown_block, plot, table, verdicts, write_markdown
+from .report import STEADY_COLUMNS, join_table, join_verdicts, markdown_block, plot, table, verdicts, write_markdown
 
 DEFAULT_N = [256, 1024, 4096, 16384]
 SMOKE: dict[str, Any] = {"n": [64], "procs": 2, "groups": 2, "restarts": 1, "heartbeat_rounds": 1, "settle_s": 0.1,
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"rounds of monitor heartbeats measured per N, 0: none (default {d.heartbeat_rounds})")
     ap.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
                     help="heartbeat interval the steady-state figures are given for")
+    ap.add_argument("--joiners", type=int, default=d.joiners,
+                    help="joins: restarts go in threes, K ranks lost, K joiners admitted into their seats, a plain "
+                         "restart; before that job, one of the same N without joiners (the baseline); figures per "
+                         "kind of restart (default 0: no joiners; with joiners, --restarts counts all three kinds)")
+    ap.add_argument("--joiner-layout", choices=["nodes", "spread"], default=d.joiner_layout,
+                    help="--joiners: the lost ranks are whole nodes of 8 (default) or single ranks far apart")
     ap.add_argument("--timeout-s", type=float, default=None, help=f"every wait (default {d.timeout_s})")
     ap.add_argument("--out", metavar="DIR",
                     help="write control_plane.json, control_plane.md (its results block) and control_plane.png "
@@ -80,6 +86,7 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> SimConfig:
         ap.error(f"--ranks-per-node={args.ranks_per_node}: expected >= 0")
     try:
         return SimConfig(kind=args.kind, decode=args.decode, heartbeat_interval_s=args.heartbeat_interval_s,
+                         joiners=args.joiners, joiner_layout=args.joiner_layout,
                          ranks_per_node=0 if args.direct else args.ranks_per_node, **settings)
     except ValueError as e:
         ap.error(str(e))
@@ -148,18 +155,30 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"({time.monotonic() - t:.0f}s)")
         for n in sizes:
             for rpn in modes:
-                t = time.monotonic()
-                r = session.simulate(n, rpn)
-                r["run_s"] = time.monotonic() - t
-                results.append(r)
-                _progress(f"N={n} {r['mode']}: median {r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms "
-                          f"over {cfg.restarts} restarts ({r['run_s']:.0f}s)")
+                # --joiners: first the same N without joiners, as many restarts as the job with joiners
+                # admits in (its baseline, in the same session and minutes).
+                jobs = [cfg] if not cfg.joiners else [
+                    dataclasses.replace(cfg, joiners=0, restarts=max(1, cfg.restarts // 3)), cfg]
+                for job_cfg in jobs:
+                    session.cfg = job_cfg
+                    t = time.monotonic()
+                    r = session.simulate(n, rpn)
+                    r["run_s"] = time.monotonic() - t
+                    r["job_joiners"] = job_cfg.joiners
+                    results.append(r)
+                    _progress(f"N={n} {r['mode']}, {job_cfg.joiners} joiners: median {r['median_ms']:.1f} ms, "
+                              f"max {r['max_ms']:.1f} ms over {job_cfg.restarts} restarts ({r['run_s']:.0f}s)")
+                session.cfg = cfg
     results.sort(key=lambda r: (r["mode"] != "node", r["n"]))  # tables: node mode first
     print(table(results))
     print(table(results, columns=STEADY_COLUMNS))
     scaling, lines = verdicts(results)
     for line in lines:
         print(line)
+    if cfg.joiners:
+        print(join_table(results))
+        for line in join_verdicts(results):
+            print(line)
     summary = [{k: v for k, v in r.items() if k != "per_restart"} for r in results]
     run = {"benchmark": "control_plane", "config": dataclasses.asdict(cfg), "results": summary, "scaling": scaling}
     print(json.dumps(run, separators=(",", ":")), flush=True)

@@ -36,6 +36,8 @@ def _command(job: Optional[SimJob], conns: Connections, cmd: dict[str, Any]) -> 
         return job, {"snap": job.requests() if job else 0}
     if job is None:
         raise RuntimeError(f"command {what!r} before a job")
+    if what == "announce":
+        return job, job.announce(cmd["restart"])
     if what == "fault":
         return job, job.fault(cmd["restart"])
     if what == "heartbeats":

@@ -22,12 +22,14 @@ class SimConfig:
     heartbeat_rounds: int = 3  # rounds of monitor heartbeats measured per N (median)
     heartbeat_interval_s: float = 30.0  # the Wrapper's default heartbeat_interval
     timeout_s: float = 120.0  # every wait and every message from a process
+    joiners: int = 0  # restarts in threes: K ranks lost, K joiners admitted, a plain one (control_plane/joins.py)
+    joiner_layout: str = "nodes"  # the lost ranks: whole nodes ("nodes") or single ranks far apart ("spread")
 
     def __post_init__(self) -> None:
         for name in ("procs", "groups", "restarts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 1")
-        for name in ("ranks_per_node", "heartbeat_rounds"):
+        for name in ("ranks_per_node", "heartbeat_rounds", "joiners"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
         for name in ("settle_s", "steady_s"):
@@ -40,8 +42,19 @@ class SimConfig:
             raise ValueError(f"kind={self.kind!r}: expected 'killed' or 'exception'")
         if self.decode not in ("shared", "every-rank"):
             raise ValueError(f"decode={self.decode!r}: expected 'shared' or 'every-rank'")
+        if self.joiner_layout not in ("nodes", "spread"):
+            raise ValueError(f"joiner_layout={self.joiner_layout!r}: expected 'nodes' or 'spread'")
+        if self.joiners and self.restarts < 2:
+            raise ValueError(f"restarts={self.restarts} with joiners={self.joiners}: expected >= 2 (the loss of K "
+                             f"ranks, then the restart that admits their joiners)")
+        if self.joiners and self.kind != "killed":
+            raise ValueError(f"joiners={self.joiners}: joiners take the seats of killed ranks: expected kind 'killed'")
 
     def check_world_size(self, n: int) -> None:
         """Every restart kills (or faults) a different rank, and one rank must stay."""
         if n < 2 or n <= self.restarts:
             raise ValueError(f"N={n}: expected at least 2 ranks and more ranks than restarts ({self.restarts})")
+        lost = self.joiners * ((self.restarts + 2) // 3)
+        if self.joiners and n <= self.restarts + lost:
+            raise ValueError(f"N={n}: {self.restarts} restarts with {self.joiners} joiners lose {lost} ranks besides "
+                             f"the faults: expected more ranks than {self.restarts + lost}")

@@ -22,7 +22,8 @@ import time
 from typing import Any, Callable, Optional
 
 from .config import SimConfig
-from .measure import pick_faulty, restart_figures, summary
+from .joins import ADMIT, JoinPlan
+from .measure import joiner_figures, phase_figures, pick_faulty, restart_figures, summary
 
 # The server: alone in its process, until its stdin closes (the driver closes
 # it or exits) or the driver dies (PR_SET_PDEATHSIG), so that it cannot
@@ -210,15 +211,17 @@ class Session:
         for k, c in enumerate(clients):
             c.send({"cmd": "job", "n": n, "call": call, "lo": bounds[k], "hi": bounds[k + 1], "faulty": faulty,
                     "kind": cfg.kind, "timeout_s": cfg.timeout_s, "check_membership": cfg.check_membership,
-                    "ranks_per_node": rpn})
+                    "ranks_per_node": rpn, "joiners": cfg.joiners, "joiner_layout": cfg.joiner_layout})
         for c in clients:
             c.answer(cfg.timeout_s, "ranks armed")
+        plan = JoinPlan(n, cfg.joiners, cfg.restarts, faulty, cfg.joiner_layout)
         restarts = []
         for j in range(cfg.restarts):
-            r = self._restart(n, j, faulty, clients, rpn)
+            r = self._restart(n, j, faulty, clients, rpn, plan)
             restarts.append(r)
-            self.progress(f"N={n} {mode}: restart {j + 1}/{cfg.restarts}: median {r['median_ms']:.1f} ms, "
-                          f"max {r['max_ms']:.1f} ms")
+            joined = f", {r['joiners']} joiners admitted" if r.get("joiners") else ""
+            self.progress(f"N={n} {mode}: restart {j + 1}/{cfg.restarts} ({r['phase']}): median "
+                          f"{r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms{joined}")
         hb = self._heartbeats(clients)
         clients[0].ask({"cmd": "complete", "iteration": cfg.restarts}, cfg.timeout_s, "complete")
         for c in clients:
@@ -227,12 +230,22 @@ class Session:
             final = c.answer(cfg.timeout_s, "end of job")
             if final["alive_threads"] or final["errors"]:
                 raise RuntimeError(f"pid {c.proc.pid}: {final['alive_threads']} rank threads left, {final['errors']}")
-        return summary(n, cfg, len(clients), self.connections, restarts, hb, rpn)
+        out = summary(n, cfg, len(clients), self.connections, restarts, hb, rpn)
+        if cfg.joiners:
+            out["phases"] = phase_figures(restarts)
+        return out
 
-    def _restart(self, n: int, j: int, faulty: list[int], clients: list[Child], rpn: int) -> dict[str, Any]:
-        """Restart ``j``: an idle window measured, then the fault, until every rank holds the decision."""
+    def _restart(self, n: int, j: int, faulty: list[int], clients: list[Child], rpn: int,
+                 plan: JoinPlan) -> dict[str, Any]:
+        """Restart ``j``: an idle window measured, then the fault, until every rank holds the decision.
+        With joiners (:mod:`.joins`), those of an admit restart announce themselves before the window."""
         cfg = self.cfg
         time.sleep(cfg.settle_s)
+        if plan.phase(j) == ADMIT:
+            announced = sum(c.ask({"cmd": "announce", "restart": j}, cfg.timeout_s, "announced")["announced"]
+                            for c in clients)
+            if announced != len(plan.admitted_in(j)):
+                raise RuntimeError(f"restart {j}: {announced} joiners announced, expected {len(plan.admitted_in(j))}")
         s0 = sum(c.ask({"cmd": "snap"}, cfg.timeout_s, "snap")["snap"] for c in clients)
         cpu_a = self.server_cpu()
         time.sleep(cfg.steady_s)
@@ -245,7 +258,13 @@ class Session:
         done = [c.answer(cfg.timeout_s, f"restart {j} done") for c in clients]
         cpu_c = self.server_cpu()
         ccpu_c = sum(cpu_seconds(c.proc.pid) for c in clients)
-        r = restart_figures(n, j, faulty, cfg, done, rpn)
+        rows = plan.rows(j) if cfg.joiners else None
+        r = restart_figures(n, j, faulty, cfg, done, rpn, rows, plan.admitted_in(j))
+        r["phase"] = plan.phase(j)
+        admit = [d["admit_ns"] for d in done if d.get("admit_ns") is not None]
+        t0 = next(d["reporter"][0] for d in done if d["reporter"] is not None)
+        r.update(joiner_figures(j, t0, plan.admitted_in(j), done, set(r["decisions"]),
+                                admit[0] / 1e6 if admit else None, rows))
         r["steady_requests_per_s"] = (s1 - s0) / cfg.steady_s if cfg.steady_s > 0 else 0.0
         r["steady_server_cpu_pct"] = 100.0 * (cpu_b - cpu_a) / cfg.steady_s if cfg.steady_s > 0 else 0.0
         r["server_cpu_ms"] = 1e3 * (cpu_c - cpu_fault)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from inprocess import _native
 from inprocess.compose import Compose
+from inprocess.control import joining
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink
 from inprocess.control.protocol import COMPLETE, RestartProtocol, monitor_heartbeat_key
@@ -46,6 +47,7 @@ from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 from .config import WATCHED_PEERS
 from .decoding import decode_us
+from .joins import JOB_CONFIG, JoinPlan, SimJoiners
 from .nodes import NodeGroup, SimNode
 from .ranks import Group, SimRank
 from .wire import Connections, SharedStore, Tally, key_bytes
@@ -66,6 +68,10 @@ class SimJob:
         self.kind: str = cfg["kind"]
         self.timeout_s: float = cfg["timeout_s"]
         self.check_membership: bool = cfg["check_membership"]
+        self.plan = JoinPlan(self.n, cfg.get("joiners", 0), len(self.faulty), self.faulty,
+                             cfg.get("joiner_layout", "nodes"))
+        self.joiners: dict[int, SimJoiners] = {}  # restart -> this process's joiners admitted in it
+        self.admit_ns: dict[int, int] = {}  # restart -> the leader's joining.admit, when it led here
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
         self.memberships: dict[int, Membership] = {0: Membership.all_active(self.n)}
         self.world_size: dict[int, int] = {0: self.n}
@@ -132,7 +138,9 @@ class SimJob:
 
     def alive_in(self, rank: int, iteration: int) -> bool:
         """Whether ``rank`` runs iteration ``iteration`` (a killed rank dies in its restart)."""
-        return self.kind != "killed" or rank not in self.faulty[: iteration + 1]
+        if self.kind != "killed":
+            return True
+        return rank not in self.faulty[: iteration + 1] and not self.plan.away(rank, iteration)
 
     def bump(self, counter: collections.Counter[int], key: int) -> None:
         with self.cond:
@@ -151,7 +159,16 @@ class SimJob:
         previous = self.memberships[i]
 
         def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
-            return decide(self.assignment, previous, dead, faults, i + 1, leader)
+            # As CallWrapper._decide: the pending joiners are admitted into free seats before the assignment.
+            p = self.sims[leader].main
+            t = time.monotonic_ns()
+            joined = joining.admit(joining.JoinKeys(p.counted, p.call, p.incarnation), i + 1, previous, JOB_CONFIG,
+                                   seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+            self.admit_ns[i] = time.monotonic_ns() - t
+            decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,
+                              i + 1, leader)
+            decision.joined = joined
+            return decision
 
         return decide_fn
 
@@ -220,6 +237,18 @@ class SimJob:
             raise RuntimeError(f"rank {rank} was counted out at barrier {barrier}, expected {restart + 1}")
         after = tally.snapshot()
         self.reporters[restart] = [t0, monitor.ops, monitor.requests, after[0] - before[0], after[1] - before[1]]
+        # --joiners: more ranks die in this restart; their monitors count them out the same way
+        # (here one after another, from this process: they are store calls only).
+        for lost in self.plan.lost_in(restart):
+            m = self._control(Tally())
+
+            def lost_fault(iteration: int, lost: int = lost) -> FaultRecord:
+                return FaultRecord(lost, iteration, "killed", "SIGKILL", "simulated: process killed", t_ns=t0)
+
+            b = m.count_out(lost, lost_fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
+                            who=f"m{lost}", in_barrier=False)
+            if b != restart + 1:
+                raise RuntimeError(f"rank {lost} was counted out at barrier {b}, expected {restart + 1}")
 
     def _raise_exception(self, restart: int) -> None:
         """Rank faulty[restart]'s main thread raises: it checks, records and requests the restart."""
@@ -249,7 +278,8 @@ class SimJob:
         """Setup, not measured, then every group armed for iteration 0.
 
         A real job's initial barrier (barrier 0) leaves every rank's seat at
-        "0" and its decision (every rank active) out, read by every rank; the
+        "0", its decision (every rank active) out, read by every rank, and the
+        incarnation named under ``running`` for joiners; the
         simulated restarts start at barrier 1 and need that state. Every
         monitor's counter exists (a monitor creates it when it starts, before
         its rank's first barrier). All written over the control connection,
@@ -259,6 +289,8 @@ class SimJob:
         self._seed([seats.seat_key(r) for r in range(self.lo, self.hi)], "0")
         initial = Decision(0, Membership.all_active(self.n), [], [], 0, leader=0)
         self.conns.control.set(seats.key(0, "decision"), initial.to_json())  # the same bytes from every process
+        # Barrier 0's leader names the job's incarnation for joiners (joining.JoinKeys.name_running_incarnation).
+        self.conns.control.set(joining.running_key(self.call), seats.incarnation)
         for rs in self.sims.values():
             rs.main.terms.saw(0, initial.term)
         self._seed([monitor_heartbeat_key(self.call, r) for r in range(self.lo, self.hi)], "1")
@@ -298,6 +330,35 @@ class SimJob:
                 tally[1] += b
         return {"hb_requests": tally[0], "hb_bytes": tally[1]}
 
+    def announce(self, j: int) -> dict[str, Any]:
+        """--joiners: the joiners of this process's free seats announce themselves and wait (restart j admits them)."""
+        seats = [s for s in self.plan.admitted_in(j) if s in self.sims]
+        joiners = SimJoiners(self.conns.join, self.call, seats, self.timeout_s)
+        joiners.announce()
+        joiners.start_waiting()
+        self.joiners[j] = joiners
+        return {"announced": len(seats)}
+
+    def _joined(self, j: int) -> list[list[Any]]:
+        """The joiners admitted in restart j have their outcome and decision: from the next iteration on,
+        each is its seat's simulated rank again, in its seat's new life."""
+        joiners = self.joiners.pop(j, None)
+        if joiners is None:
+            return []
+        joiners.join(self.timeout_s)
+        out = []
+        for s in joiners.seats:
+            t_announced, t_admitted, t_decided, life, barrier, ops = joiners.results[s]
+            decision = joiners.decisions[s]
+            rs = self.sims[s]
+            rs.main.life = rs.trigger.life = life
+            rs.main.terms.saw(barrier, decision.term)
+            digest = hashlib.sha1(decision.to_json().encode()).hexdigest()[:16]
+            m = decision.membership
+            out.append([s, t_announced, t_admitted, t_decided, life, barrier, ops,
+                        [m.mode[s], m.rank[s], m.active_rank[s]], digest])
+        return out
+
     def fault(self, j: int) -> dict[str, Any]:
         if self.faulty[j] in self.sims:
             if self.kind == "killed":
@@ -313,7 +374,8 @@ class SimJob:
         # The leader's process: the per-rank cost of decoding the decision.
         decoding = decode_us(raw) if raw is not None else 0.0
         return {"done": j, "records": self.records.pop(j, []), "nodes": self.node_records.pop(j, []),
-                "reporter": self.reporters.get(j), "decode_us": decoding}
+                "reporter": self.reporters.get(j), "decode_us": decoding, "joiners": self._joined(j),
+                "admit_ns": self.admit_ns.pop(j, None)}
 
     def complete(self, iteration: int) -> None:
         """End the job's last iteration: every trigger wait returns "complete"."""

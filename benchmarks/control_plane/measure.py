@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Any
+from typing import Any, Optional
 
 from inprocess.control.membership import ACTIVE, TERMINATED
 from inprocess.control.store_ops import WAIT_CHUNK_S
@@ -93,20 +93,29 @@ def _node_figures(j: int, done: list[dict[str, Any]], alive: list[int], rpn: int
 
 
 def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: list[dict[str, Any]],
-                    rpn: int = 0) -> dict[str, Any]:
+                    rpn: int = 0, rows: Optional[list[tuple[int, int, int]]] = None,
+                    joined: Optional[list[int]] = None) -> dict[str, Any]:
     """The figures of restart ``j`` from every client process's records; raises
-    if the ranks disagree or a rank holds a wrong assignment."""
+    if the ranks disagree or a rank holds a wrong assignment. ``rows``: every
+    rank's expected row when it is not :func:`expected_row`'s (with joiners);
+    ``joined``: seats admitted in this restart, whose joiners hold the
+    decision but are not ranks of it yet (:func:`joiner_figures` checks them)."""
+
+    def expected(r: int) -> tuple[int, int, int]:
+        return rows[r] if rows is not None else expected_row(n, faulty, j, cfg.kind, r)
+
     reporters = [d["reporter"] for d in done if d["reporter"] is not None]
     if len(reporters) != 1:
         raise RuntimeError(f"restart {j}: {len(reporters)} fault reports, expected 1")
     t0, rep_ops, rep_req, rep_out, rep_in = reporters[0]
     records = [rec for d in done for rec in d["records"]]
-    alive = [r for r in range(n) if expected_row(n, faulty, j, cfg.kind, r)[0] != TERMINATED]
+    newcomers = set(joined or [])
+    alive = [r for r in range(n) if expected(r)[0] != TERMINATED and r not in newcomers]
     if sorted(rec[0] for rec in records) != alive:
         raise RuntimeError(f"restart {j}: {len(records)} ranks hold a decision, expected {len(alive)}")
     digests = {rec[11] for rec in records}
     mdigests = {rec[12] for rec in records}
-    wrong = [rec[0] for rec in records if tuple(rec[8:11]) != expected_row(n, faulty, j, cfg.kind, rec[0])]
+    wrong = [rec[0] for rec in records if tuple(rec[8:11]) != expected(rec[0])]
     leaders = [rec for rec in records if rec[7]]
     if len(digests) != 1 or len(mdigests) != 1 or wrong or len(leaders) != 1:
         raise RuntimeError(
@@ -150,6 +159,69 @@ def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: lis
         "decode_ms": max(d["decode_us"] for d in done) / 1e3,
         "decisions": sorted(digests),
     }
+
+
+def joiner_figures(j: int, t0: int, admitted: list[int], done: list[dict[str, Any]], digests: set[str],
+                   admit_ms: Optional[float], rows: Optional[list[tuple[int, int, int]]]) -> dict[str, Any]:
+    """Restart j admitted ``admitted``: every joiner got its admission at barrier j+1 and read the
+    ranks' decision, holding its expected row in it."""
+    joiners = sorted((rec for d in done for rec in d["joiners"]), key=lambda rec: rec[0])
+    seats = [rec[0] for rec in joiners]
+    if seats != admitted:
+        raise RuntimeError(f"restart {j}: {len(seats)} joiners admitted, expected {len(admitted)}")
+    bad = [rec[0] for rec in joiners
+           if rec[5] != j + 1 or rows is None or tuple(rec[7]) != rows[rec[0]] or rec[8] not in digests]
+    if bad:
+        raise RuntimeError(f"restart {j}: joiners of seats {bad[:5]} hold another barrier, decision or row")
+    if not joiners:
+        return {"joiners": 0, "admit_ms": admit_ms}
+    admitted_ms = [(rec[2] - t0) / 1e6 for rec in joiners]
+    decided_ms = [(rec[3] - t0) / 1e6 for rec in joiners]
+    ops = [rec[6] for rec in joiners]
+    return {
+        "joiners": len(joiners),
+        "joiner_admitted_median_ms": statistics.median(admitted_ms),
+        "joiner_decided_max_ms": max(decided_ms),
+        "joiner_ops_median": statistics.median(ops),
+        "joiner_ops_max": max(ops),
+        "admit_ms": admit_ms,
+    }
+
+
+def phase_figures(restarts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """--joiners: per phase (lose, admit, plain), each restart's median and maximum over its ranks."""
+    out: dict[str, dict[str, Any]] = {}
+    for phase in ("lose", "admit", "plain"):
+        rs = [r for r in restarts if r.get("phase") == phase]
+        if not rs:
+            continue
+        medians = [r["median_ms"] for r in rs]
+        maxes = [r["max_ms"] for r in rs]
+        f: dict[str, Any] = {
+            "restarts": len(rs),
+            "median_ms": medians,
+            "max_ms": maxes,
+            "median_ms_p50": statistics.median(medians),
+            "median_ms_worst": max(medians),
+            "max_ms_p50": statistics.median(maxes),
+            "max_ms_worst": max(maxes),
+            "ops_per_rank_median": statistics.median(r["ops_per_rank_median"] for r in rs),
+            "ops_per_rank_max": max(r["ops_per_rank_max"] for r in rs),
+            "ops_leader": statistics.median(r["ops_leader"] for r in rs),
+            "requests_per_rank": statistics.median(r["requests_total"] / r["ranks"] for r in rs),
+            "server_cpu_ms": statistics.median(r["server_cpu_ms"] for r in rs),
+            "decision_bytes": max(r["decision_bytes"] for r in rs),
+            "admit_ms": statistics.median(r["admit_ms"] for r in rs if r.get("admit_ms") is not None)
+            if any(r.get("admit_ms") is not None for r in rs) else None,
+        }
+        if phase == "admit":
+            f["joiners"] = rs[0]["joiners"]
+            f["joiner_admitted_median_ms"] = statistics.median(r["joiner_admitted_median_ms"] for r in rs)
+            f["joiner_decided_max_ms"] = max(r["joiner_decided_max_ms"] for r in rs)
+            f["joiner_ops_median"] = statistics.median(r["joiner_ops_median"] for r in rs)
+            f["joiner_ops_max"] = max(r["joiner_ops_max"] for r in rs)
+        out[phase] = f
+    return out
 
 
 def summary(n: int, cfg: SimConfig, procs: int, connections: int, restarts: list[dict[str, Any]],

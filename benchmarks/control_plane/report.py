@@ -7,6 +7,7 @@ else here needs nothing beyond the standard library.
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any, Optional
 
 from inprocess.control.store_ops import WAIT_CHUNK_S
@@ -153,6 +154,61 @@ def verdicts(results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
             lines.append(_steady(mode, what, rs[-1]))
         scaling[mode] = sc
     return scaling, lines
+
+
+# --joiners: per kind of restart (measure.phase_figures), over the restarts of that kind.
+JOIN_BAR_MEDIAN_MS, JOIN_BAR_MAX_MS = 500.0, 1000.0  # issue 21: every restart that admits joiners
+
+
+def join_table(results: list[dict[str, Any]]) -> str:
+    """One row per mode, N and kind of restart (lose, admit, plain)."""
+    head = ["mode", "N", "restarts", "kind", "median ms p50", "median ms worst", "max ms p50", "max ms worst",
+            "ops/rank", "ops/rank max", "ops leader", "requests/rank", "server CPU ms", "decision B", "admit ms",
+            "joiners", "joiner admitted ms", "joiner decided max ms", "joiner ops"]
+    rows = [head]
+    for r in results:
+        phases = r.get("phases")
+        if phases is None and "per_restart" in r:  # the baseline job, without joiners
+            per = r["per_restart"]
+            medians, maxima = [x["median_ms"] for x in per], [x["max_ms"] for x in per]
+            phases = {"no joins": {
+                "restarts": len(per), "median_ms_p50": statistics.median(medians), "median_ms_worst": max(medians),
+                "max_ms_p50": statistics.median(maxima), "max_ms_worst": max(maxima),
+                "ops_per_rank_median": r["ops_per_rank_median"], "ops_per_rank_max": r["ops_per_rank_max"],
+                "ops_leader": r["ops_leader"], "requests_per_rank": r["requests_total"] / r["ranks"],
+                "server_cpu_ms": r["server_cpu_ms"], "decision_bytes": max(x["decision_bytes"] for x in per),
+                "admit_ms": r.get("admit_ms")}}
+        for phase, f in (phases or {}).items():
+            def g(key: str, fmt: str, f: dict[str, Any] = f) -> str:
+                v = f.get(key)
+                return "-" if v is None else fmt.format(v)
+            rows.append([r["mode"], str(r["n"]), str(f["restarts"]), phase, g("median_ms_p50", "{:.0f}"),
+                         g("median_ms_worst", "{:.0f}"), g("max_ms_p50", "{:.0f}"), g("max_ms_worst", "{:.0f}"),
+                         g("ops_per_rank_median", "{:g}"), g("ops_per_rank_max", "{:g}"), g("ops_leader", "{:g}"),
+                         g("requests_per_rank", "{:.2f}"), g("server_cpu_ms", "{:.0f}"),
+                         g("decision_bytes", "{:.0f}"), g("admit_ms", "{:.1f}"),
+                         g("joiners", "{:d}"), g("joiner_admitted_median_ms", "{:.0f}"),
+                         g("joiner_decided_max_ms", "{:.0f}"), g("joiner_ops_median", "{:g}")])
+    widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def join_verdicts(results: list[dict[str, Any]]) -> list[str]:
+    """Issue 21's bar for every restart that admitted joiners: median <= 0.5 s and maximum <= 1 s."""
+    lines = []
+    for r in results:
+        admit = r.get("phases", {}).get("admit")
+        if admit is None:
+            continue
+        ok = sum(1 for m, x in zip(admit["median_ms"], admit["max_ms"], strict=True)
+                 if m <= JOIN_BAR_MEDIAN_MS and x <= JOIN_BAR_MAX_MS)
+        verdict = "met" if ok == admit["restarts"] else "NOT met"
+        medians = ", ".join(f"{m:.0f}" for m in admit["median_ms"])
+        maxima = ", ".join(f"{m:.0f}" for m in admit["max_ms"])
+        lines.append(f"{r['mode']} N={r['n']} with {admit['joiners']} joiners: bar (median <= "
+                     f"{JOIN_BAR_MEDIAN_MS:.0f} ms, max <= {JOIN_BAR_MAX_MS:.0f} ms) {verdict} in {ok} of "
+                     f"{admit['restarts']} admitting restarts (medians {medians} ms; maxima {maxima} ms)")
+    return lines
 
 
 def plot(results: list[dict[str, Any]], path: str, cfg: SimConfig) -> bool:

@@ -48,8 +48,9 @@ class Connections:
     """The TCPStore client connections of one client process.
 
     Two per group (non-blocking operations; blocking waits and gets), one for
-    the barrier's leader once it blocks (see ``Group.hand_over``) and one for
-    control (fault injection, end of job).
+    the barrier's leader once it blocks (see ``Group.hand_over``), one for the
+    simulated joiners (``--joiners``, :mod:`.joins`) and one for control
+    (fault injection, end of job).
     """
 
     def __init__(self, port: int, groups: int, timeout_s: float):
@@ -65,9 +66,10 @@ class Connections:
 
         # Connect a few at a time: a connect may wait on the resolver (see harness.CHILD_ENV).
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            made = list(pool.map(connect, range(2 * groups + 2)))
+            made = list(pool.map(connect, range(2 * groups + 3)))
         self.ops = made[0:2 * groups:2]  # per group: non-blocking operations
         self.waits = made[1:2 * groups:2]  # per group: blocking waits and gets
+        self.join = made[-3]  # the simulated joiners of this process (--joiners)
         self.lead = made[-2]  # the leader of a barrier, once its group went on without it
         self.control = made[-1]  # the client's command loop (fault injection, end of job)
         self.count = len(made)

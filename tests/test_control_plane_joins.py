@@ -1,0 +1,89 @@
+"""The control-plane simulator with joiners (``--joiners K``, benchmarks/control_plane/joins.py), small.
+
+The simulator runs the library's own join protocol: simulated joiners
+announce themselves and wait with ``JoinKeys`` (as ``inprocess/engine/join.py``
+does), the leader of the restart runs ``joining.admit`` and
+``Membership.with_joined`` before the rank assignment (as
+``CallWrapper._decide`` does), and every rank and joiner is checked to hold
+the same decision and its expected row (the simulator raises otherwise).
+Here at N = 64 with 4 joiners, in both modes, in a few seconds each.
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from benchmarks.control_plane import SimConfig, pick_faulty, simulate
+from benchmarks.control_plane.joins import JoinPlan
+
+from inprocess.control.membership import ACTIVE, TERMINATED
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("ranks_per_node", "layout"), [(8, "nodes"), (0, "nodes"), (8, "spread")],
+                         ids=["node", "direct", "node-spread"])
+def test_joiners_are_admitted_into_the_seats_lost_in_the_restart_before(ranks_per_node: int, layout: str) -> None:
+    before = _children()
+    n, k = 64, 4
+    cfg = SimConfig(procs=2, groups=2, restarts=6, joiners=k, joiner_layout=layout, decode="every-rank",
+                    check_membership=True, settle_s=0.1, steady_s=0.2, heartbeat_rounds=0, timeout_s=60.0,
+                    ranks_per_node=ranks_per_node)
+    result = simulate(n, cfg)
+    assert _children() - before == set()  # every process the simulator started is gone
+
+    restarts = result["per_restart"]
+    assert [r["phase"] for r in restarts] == ["lose", "admit", "plain"] * 2
+    for j, r in enumerate(restarts):
+        faults = j + 1
+        assert len(r["decisions"]) == 1, r  # one decision, byte for byte, on every rank and joiner
+        if r["phase"] == "lose":
+            assert r["ranks"] == n - faults - k and r["joiners"] == 0, r
+        elif r["phase"] == "admit":
+            # The ranks of the restart hold the decision, and so does every joiner, admitted at barrier j+1
+            # with a row of its own in it (checked by the simulator against ActivateAllRanks + ShiftRanks).
+            assert r["ranks"] == n - faults - k and r["joiners"] == k, r
+            assert 0 < r["joiner_admitted_median_ms"] <= r["joiner_decided_max_ms"], r
+            # A joiner's store calls: its seat, `running` twice, its announcement, its outcome, the decision.
+            assert r["joiner_ops_median"] == r["joiner_ops_max"] == 6, r
+        else:
+            # The world is back: the joiners of the restart before arrive as the ranks of their seats.
+            assert r["ranks"] == n - faults and r["joiners"] == 0, r
+    phases = result["phases"]
+    lose, admit = phases["lose"], phases["admit"]
+    assert admit["restarts"] == 2 and admit["joiners"] == k
+    # The leader's admission costs calls per joiner (a check, a read of the seat, the outcome's compare_set and
+    # append, the seat's read and compare_set), no rank's: every other rank still makes its one seat call.
+    assert k <= admit["ops_leader"] - lose["ops_leader"] <= 7 * k, phases
+    if ranks_per_node:
+        assert admit["ops_per_rank_median"] == 1, phases
+
+
+def test_join_plan_blocks_avoid_the_faulty_ranks() -> None:
+    faulty = pick_faulty(16, 3)  # [9, 0, 7]: both node-aligned blocks of 8 hold one
+    plan = JoinPlan(16, 2, 3, faulty)
+    assert len(plan.lost[0]) == 2 and not set(plan.lost[0]) & set(faulty)
+    assert plan.lost[0][1] == plan.lost[0][0] + 1  # consecutive ranks
+    with pytest.raises(ValueError, match="no 8 consecutive ranks"):
+        JoinPlan(16, 8, 6, pick_faulty(16, 6))
+
+
+def test_join_plan_rows_follow_shift_ranks_with_joiners_last() -> None:
+    n, k = 16, 2
+    faulty = pick_faulty(n, 3)
+    plan = JoinPlan(n, k, 3, faulty)
+    lost = plan.lost_in(0)
+    assert len(lost) == k and not set(lost) & set(faulty) and plan.admitted_in(1) == lost
+    assert plan.phase(2) == "plain" and plan.lost_in(1) == plan.admitted_in(2) == []
+    assert plan.away(lost[0], 0) and plan.away(lost[0], 1) and not plan.away(lost[0], 2)
+    rows0 = plan.rows(0)
+    assert all(rows0[r] == (TERMINATED, -1, -1) for r in [faulty[0], *lost])
+    rows1 = plan.rows(1)
+    world = n - 2
+    # The joiners come last, in seat order; everybody else keeps relative order.
+    assert [rows1[r] for r in lost] == [(ACTIVE, world - k + i, world - k + i) for i in range(k)]
+    others = sorted((r for r in range(n) if r not in lost and r not in faulty[:2]), key=lambda r: rows1[r][1])
+    assert others == sorted(others) and rows1[faulty[1]] == (TERMINATED, -1, -1)
