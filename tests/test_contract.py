@@ -37,6 +37,7 @@ MONITOR = MonitorConfig(
     kill_wait_s=2.5, world_size=16, store_timeout_s=1e-9, barrier_timeout_s=120, heartbeat_interval_s=0.3,
     heartbeat_timeout_s=1.7, pidfile="/tmp/a dir/monitor 12.pid", logfile="--odd name.log", log_level="DEBUG",
     incarnation="torchrun.job%2F1.2+slurm.7.0.", log_format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
+    join_token="node-7-4242-0a1b2c3d",
 )
 STORE_HOST = StoreHostConfig(port=0, world_size=8, idle_timeout_s=60, ready_fd=9, parent_pid=77,
                              check_interval_s=0.25, libuv=False, log_level="ERROR")
@@ -50,7 +51,7 @@ BAD_VALUES: dict[type, dict[str, Any]] = {
         "log_level": "LOUD", "logfile": 3, "store_host": "", "store_port": 0, "call": -1, "rank": -1,
         "heartbeat_fd": -1, "pid": 0, "grace_s": -1.0, "kill_wait_s": 0, "world_size": 0, "store_timeout_s": 0,
         "barrier_timeout_s": float("nan"), "heartbeat_interval_s": -0.5, "heartbeat_timeout_s": "1", "pidfile": 7,
-        "incarnation": "torchrun.a/b.0", "log_format": 3,
+        "incarnation": "torchrun.a/b.0", "log_format": 3, "join_token": "a/b",
     },
     StoreHostConfig: {
         "log_level": "info", "logfile": b"log", "port": 65536, "world_size": 0, "idle_timeout_s": 0, "ready_fd": -2,

@@ -104,7 +104,7 @@ def test_simulated_nodes_agree_on_one_assignment(kind: str) -> None:
         assert r["ops_per_rank_median"] == 1 and r["requests_per_rank_median"] == 1, r
         assert r["ops_per_node_median"] == 3 and r["ops_per_node_max"] <= 4, r
         assert r["requests_per_node_median"] == 5 and r["requests_per_node_max"] <= 6, r
-        assert r["requests_total"] < 2 * n, r
+        assert r["requests_total"] <= 2 * n + 1, r  # + the leader's look for joiners (control/joining.py)
     assert result["steady_requests_per_s"] == 0
     monitors = n - (cfg.restarts if kind == "killed" else 0)
     assert result["hb_requests_per_round"] == 3 * monitors
@@ -425,10 +425,11 @@ def test_store_operations_per_rank_and_node_do_not_grow_with_n() -> None:
     for what, k in (("median ops per rank", 0), ("max ops per rank (the leader)", 1), ("ops per node", 2),
                     ("max ops per node", 3), ("the monitor's ops", 4)):
         assert large[k] <= small[k], f"{what} grew with N: {small[k]} at 16, {large[k]} at 64"
-    # All calls of the restart: at most 1 per rank + 4 per node + the leader's 14 more (its
-    # publish is a compare_set and an empty append: inprocess.control.leadership, "Cost").
+    # All calls of the restart: at most 1 per rank + 4 per node + the leader's 15 more (its
+    # publish is a compare_set and an empty append: inprocess.control.leadership, "Cost"; its look
+    # for joiners is one read: inprocess.control.joining).
     for n, figures in per_n.items():
-        assert figures[5] <= (n - 1) + 4 * (n // 8) + 14, (n, figures)
+        assert figures[5] <= (n - 1) + 4 * (n // 8) + 15, (n, figures)
 
 
 @pytest.mark.timeout(60)

@@ -606,7 +606,7 @@ class RestartProtocol:
     # -- cleanup --------------------------------------------------------------
 
     _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left",
-                       "given_up", "grow_at", "grow_arrivals")
+                       "given_up")
 
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:

@@ -25,7 +25,9 @@ whose leader admits the joiners; its summary says "grow", and the storm brake
 does not count it.
 
 **Cost.** One ``peek`` per rank per look (``check_every`` safe points), plus
-two counter reads on active rank 0; a grow adds one ``add`` per rank.
+two counter reads on active rank 0; a grow adds one ``add`` per rank. The two
+keys are deleted by the rank that scheduled the grow, when its next iteration
+begins (a restart without a grow pays nothing for them).
 This module imports no torch.
 """
 
@@ -78,8 +80,15 @@ class GrowPoints:
         self.count = 0
         self.iteration = -1
         self.last_grow_s = -float("inf")
+        self.scheduled_in: Optional[int] = None  # the iteration in which this rank scheduled a grow
 
     def begin(self, iteration: int) -> None:
+        if self.scheduled_in is not None:
+            # Only the rank that scheduled a grow deletes its keys (the iteration keys every restart
+            # deletes would cost every job two calls per restart for a feature most do not use).
+            for name in ("grow_at", "grow_arrivals"):
+                self.protocol.counted.delete_key(self.protocol.key(self.scheduled_in, name))
+            self.scheduled_in = None
         self.count = 0
         self.iteration = iteration
 
@@ -119,6 +128,7 @@ class GrowPoints:
         if self.waiting() < policy.min_waiting:
             return
         at = str(self.count + policy.check_every)
+        self.scheduled_in = self.iteration
         if self.protocol.counted.compare_set(key, "", at).decode() == at:
             log.info("grow: %d joiner(s) wait; the job restarts to take them in at safe point %s of iteration %d",
                      self.waiting(), at, self.iteration)
