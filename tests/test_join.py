@@ -130,7 +130,8 @@ def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, tim
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "node agents"])
+@pytest.mark.parametrize("ranks_per_node", [None, pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["one node", "node agents"])
 def test_a_respawned_rank_joins_as_the_spare_and_takes_over_at_the_next_fault(
         tmp_path: pathlib.Path, ranks_per_node: Optional[int]) -> None:
     """5 seats, 4 active and a spare. Seat 1 is SIGKILLed: the spare (seat 4) takes over, and the
