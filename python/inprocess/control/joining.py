@@ -45,12 +45,13 @@ is written in it) and lists it too.
 (``closed:...``), and it returns from the wrapped call like a spare. A store
 that goes away ends its wait too.
 
-Cost: a joiner makes about six store calls (its announcement and counter,
-``running`` twice, one blocking wait, the read of its decision). The leader
-reads the lines and the resolved mark per barrier, then makes about six
-sequential calls per admitted joiner (its outcome's check, read and
-compare_set with the wake-up append, the seat's read and compare_set) and two
-per admitted line at the next barrier: 72 ms for 256 joiners on an idle store
+Cost: a joiner makes about seven store calls (its seat's read, its
+announcement and counter, ``running`` twice, one blocking wait, the read of
+its decision). The leader reads the lines and the resolved mark per barrier,
+then makes about seven sequential calls per admitted joiner (its outcome's
+check and compare_set with the wake-up append and the resolved counter, the
+seat's reads and compare_set) and two per admitted line at the next barrier:
+72 ms for 256 joiners on an idle store
 (``benchmarks/README.md``, "Joins"). No other rank does anything. This module
 imports no torch.
 """
