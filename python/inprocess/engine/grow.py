@@ -125,13 +125,14 @@ class GrowPoints:
     def _maybe_schedule(self, policy: GrowPolicy, key: str) -> None:
         if time.monotonic() - self.last_grow_s < policy.min_interval_s:
             return
-        if self.waiting() < policy.min_waiting:
+        waiting = self.waiting()
+        if waiting < policy.min_waiting:
             return
         at = str(self.count + policy.check_every)
         self.scheduled_in = self.iteration
         if self.protocol.counted.compare_set(key, "", at).decode() == at:
             log.info("grow: %d joiner(s) wait; the job restarts to take them in at safe point %s of iteration %d",
-                     self.waiting(), at, self.iteration)
+                     waiting, at, self.iteration)
 
 
 class Grow(Exception):
