@@ -44,6 +44,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+import reaping  # benchmarks/reaping.py: this script's folder is first on the path
+
 HERE = pathlib.Path(__file__).resolve().parent
 WORLD_SIZE = 3
 JOINER_SEAT = 2
@@ -196,11 +198,15 @@ def table(figures: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    reaping.exit_on_sigterm()  # kill PID stops the job this started, as Ctrl-C does
     ap = argparse.ArgumentParser(prog="python benchmarks/join_latency.py", description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=10, help="kill, join, plain restart cycles (default 10)")
     ap.add_argument("--step-s", type=float, default=0.02, help="sleep per step (default 0.02)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="every wait (default 120)")
+    ap.add_argument("--smoke", action="store_true", help="one cycle: checks that it works")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.cycles = 1
     if args.cycles < 1:
         ap.error(f"--cycles={args.cycles}: expected >= 1")
     with tempfile.TemporaryDirectory(prefix="join_latency.") as tmp:

@@ -128,9 +128,9 @@ def bench_latency(port: int, n_ops: int, block: int = 100) -> list[dict[str, Any
 
 
 def bench_memory(port: int, procs: int) -> dict[str, dict[str, float]]:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The children import the package this process imports (the installed one, or PYTHONPATH's): a source
+    # tree put first on their path has no compiled _native unless it was built in place.
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(repo, "python") + os.pathsep + env.get("PYTHONPATH", "")
     out: dict[str, dict[str, float]] = {}
     for kind in ("bare", "ours", "torch"):
         runs = []
