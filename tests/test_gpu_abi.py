@@ -9,6 +9,7 @@ for nvml.h); each test skips, naming the wheel, where it is absent.
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import re
 import shutil
@@ -32,6 +33,24 @@ def wheel_dir(package: str, wheel: str) -> pathlib.Path:
     return pathlib.Path(list(spec.submodule_search_locations)[0])
 
 
+def include_dir(package: str, wheel: str, header: str) -> pathlib.Path:
+    """The folder holding `header`: the wheel's include/, else a CUDA toolkit's
+    (``CUDA_HOME``, ``/usr/local/cuda``: a GPU machine's CUDA 13 has cuda.h and
+    nvml.h there, and its pip wheels lay their headers out differently)."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (pathlib.Path(home) / "include" / header).is_file():
+            toolkit: Optional[pathlib.Path] = pathlib.Path(home) / "include"
+            break
+    else:
+        toolkit = None
+    try:
+        return wheel_dir(package, wheel) / "include"
+    except pytest.skip.Exception:
+        if toolkit is None:
+            raise
+        return toolkit
+
+
 def compile_check(extra: Optional[List[str]] = None) -> subprocess.CompletedProcess:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
@@ -39,8 +58,8 @@ def compile_check(extra: Optional[List[str]] = None) -> subprocess.CompletedProc
     includes = [
         REPO / "tests" / "abi_shim",
         wheel_dir("nvidia.nccl", "nvidia-nccl-cu12") / "include",
-        wheel_dir("nvidia.cuda_runtime", "nvidia-cuda-runtime-cu12") / "include",
-        wheel_dir("nvidia.nvml_dev", "nvidia-nvml-dev-cu12") / "include",
+        include_dir("nvidia.cuda_runtime", "nvidia-cuda-runtime-cu12", "cuda.h"),
+        include_dir("nvidia.nvml_dev", "nvidia-nvml-dev-cu12", "nvml.h"),
         REPO / "csrc",
     ]
     cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", *[f"-I{p}" for p in includes],

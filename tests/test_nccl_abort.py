@@ -13,7 +13,7 @@ from typing import Iterator, List
 
 import pytest
 
-from fakes.gpu_fakes import Fakes, build_fakes, counter, run_python
+from fakes.gpu_fakes import Fakes, build_fakes, counter, run_python, skip_where_torch_loaded_nccl
 from inprocess import _native
 from inprocess.abort import AbortTorchDistributed
 from inprocess.gpu import NcclAbortTimeout, libraries, nccl_abort
@@ -25,6 +25,7 @@ SLACK_S = 0.25
 
 @pytest.fixture(scope="module")
 def fakes() -> Fakes:
+    skip_where_torch_loaded_nccl()
     return build_fakes()
 
 

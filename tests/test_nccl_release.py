@@ -23,7 +23,7 @@ from typing import Any, Dict
 
 import pytest
 
-from fakes.gpu_fakes import Fakes, build_fakes
+from fakes.gpu_fakes import Fakes, build_fakes, run_python, skip_where_torch_loaded_nccl
 
 TESTS = pathlib.Path(__file__).resolve().parent
 RANK_DEVICE = 3
@@ -273,6 +273,7 @@ def test_torchs_own_nccl_is_found_before_another_libnccl(fakes: Fakes) -> None:
     """Item 9: another package's libnccl.so.2 is loaded first, and torch has
     NCCL linked into libtorch_cuda.so. dlsym on libtorch_cuda.so's handle
     finds torch's; its version must be what torch.cuda.nccl.version() says."""
+    skip_where_torch_loaded_nccl()  # the case imports torch: a CUDA build's own NCCL would be found first
     out = run_case(fakes, """
         import torch
         other = ctypes.CDLL(fakes["nccl"], mode=os.RTLD_GLOBAL)  # loaded first (cupy, vLLM, nccl4py)
@@ -289,6 +290,31 @@ def test_torchs_own_nccl_is_found_before_another_libnccl(fakes: Fakes) -> None:
     """, INPROCESS_LIBNCCL="")
     assert out["path"].endswith("libtorch_cuda.so") and out["version"] == 22903
     assert out["same"] and not out["other"] and "is not torch's (2.28.7)" in out["why_other"]
+
+
+@pytest.mark.timeout(90)
+def test_a_cuda_build_of_torch_has_its_own_nccl_found() -> None:
+    """Item 9 on the real thing: where torch is a CUDA build, the NCCL found is
+    the one torch's import loaded, at the version torch reports. (First run on
+    an H200 with torch 2.11.0+cu130: libtorch_cuda.so links the pip
+    nvidia-nccl-cu13 libnccl.so.2 dynamically, 2.28.9.)"""
+    result = run_python("""
+import json, torch
+from inprocess import _native
+from inprocess.gpu import libraries
+loaded = _native.NcclLibrary.find_loaded()
+library, why = libraries.nccl()
+print(json.dumps({"loaded": loaded.path if loaded else None, "found": library.path if library else None,
+                  "version": libraries.version_tuple(library.version) if library else None,
+                  "torch": list(torch.cuda.nccl.version()) if loaded else None,
+                  "why": why}))
+""", timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    if out["loaded"] is None:
+        pytest.skip("a CPU build of torch loads no NCCL (this case needs a CUDA build of torch)")
+    assert out["found"] == out["loaded"], out
+    assert list(out["version"]) == out["torch"], out
 
 
 @pytest.mark.timeout(120)
