@@ -44,6 +44,7 @@ __version__ = _version()
 
 _LAZY_ATTRIBUTES = {
     "CallWrapper": "call_wrapper",
+    "ReplicatedState": "peer_state",
     "RestartRecord": "call_wrapper",
     "Wrapper": "wrap",
     "current_call": "call_wrapper",
@@ -55,6 +56,7 @@ _LAZY_MODULES = (
     "health_check",
     "initialize",
     "nested_restarter",
+    "peer_state",
     "rank_assignment",
     "store",
     "terminate",
@@ -68,6 +70,7 @@ _LAZY_MODULES = (
 if TYPE_CHECKING:
     from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
     from .call_wrapper import CallWrapper, RestartRecord, current_call
+    from .peer_state import ReplicatedState
     from .wrap import Wrapper
 
 
@@ -94,6 +97,7 @@ __all__ = [
     "Mode",
     "RankDiscarded",
     "RankShouldRestart",
+    "ReplicatedState",
     "RestartAbort",
     "RestartError",
     "RestartRecord",
@@ -108,6 +112,7 @@ __all__ = [
     "health_check",
     "initialize",
     "nested_restarter",
+    "peer_state",
     "rank_assignment",
     "state",
     "store",

@@ -1,0 +1,125 @@
+"""Training state from a peer (inprocess.peer_state): a rank that takes over resumes at the
+last committed step with the state every other rank holds, bitwise, and the ranks that kept
+running roll back to that same step."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import inprocess
+from conftest import run_job
+from inprocess.peer_state import ReplicatedState
+
+
+def _job(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: int) -> Any:
+    folder = tmp_path / name
+    folder.mkdir()
+    return run_job(folder, plan, world_size=world_size, timeout=150, worker="peer_state_worker.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("sync", ["ddp", "manual"])
+def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync: str, tmp_path: pathlib.Path) -> None:
+    """4 active ranks and 2 spares; two ranks SIGKILLed (a spare takes over each time, its state
+    sent by a peer) and two exceptions (every rank rolls back to the newest commit), at steps drawn
+    at random; the final parameters and Adam state equal those of 4 ranks without faults.
+
+    With torch's DDP the reference job creates its DDP again before the steps the faulty job
+    resumed at: a DDP object's first step reduces its gradients in its initial bucket order and
+    the later ones in the order it rebuilt after that step, so that a job that created its DDP
+    at other steps differs in the last bits, faults or not (a job without faults that re-creates
+    DDP at those steps equals the restarted one bitwise; one that does not, by rounding only).
+    A loop that all-reduces each gradient itself (as Megatron-style training does with its own
+    data-parallel buffers) equals the plain job without faults."""
+    seed = random.randrange(1 << 30)
+    draw = random.Random(seed)
+    steps = 24
+    at = sorted(draw.sample(range(1, steps - 1), 4))
+    kinds = draw.sample(["sigkill", "sigkill", "exception", "exception"], 4)
+    ranks = {"sigkill": [1, 0], "exception": [3, 2]}  # initial ranks 0-3 active, 4 and 5 spares
+    faults = [{"iteration": i, "rank": ranks[kind].pop(0), "step": step, "kind": kind}
+              for i, (step, kind) in enumerate(zip(at, kinds, strict=True))]
+    reference_plan = {"steps": steps, "max_active": 4, "sync": sync, "ddp_created_at": at}
+    clean = _job(tmp_path, "clean", reference_plan, world_size=4)
+    faulty = _job(tmp_path, "faulty", {"steps": steps, "max_active": 4, "sync": sync, "faults": faults},
+                  world_size=6)
+    digests = {clean.rank(r)["result"]["digest"] for r in range(4)}
+    assert len(digests) == 1, clean.describe()
+    expected = digests.pop()
+    why = f"seed {seed}, faults {faults}\n{faulty.describe()}"
+    for r in (2, 3, 4, 5):
+        log = faulty.rank(r)
+        assert faulty.returncodes[r] == 0 and "result" in log, why
+        assert log["result"] == {"step": steps, "digest": expected}, why
+    assert faulty.returncodes[0] == -9 and faulty.returncodes[1] == -9, why
+    # Every fault fired, and each restart resumed at the step of its fault (every=1).
+    resumed = [it["resumed"] for it in faulty.rank(2)["iterations"]]
+    assert resumed == [None, *at], why
+    # Each spare got its state from a peer at the step the others rolled back to.
+    for spare in (4, 5):
+        first = faulty.rank(spare)["iterations"][0]
+        assert first["resumed"] in at and first["rank"] in first["receivers"] and first["nbytes"] > 0, why
+    # (After an exception the raising rank holds the newest commit; a rank that the restart
+    # interrupted between a step's last collective and its commit gets it sent too.)
+
+
+def test_bad_input_is_named() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"every=0.*int >= 1"):
+        ReplicatedState(every=0, model=model)
+    with pytest.raises(TypeError, match=r"ReplicatedState\(step=\.\.\.\): a int has no state_dict"):
+        ReplicatedState(model=model, step=3)
+    with pytest.raises(ValueError, match="at least one object"):
+        ReplicatedState()
+    state = ReplicatedState(model=model)
+    with pytest.raises(TypeError, match=r"\['values'\]\['loader'\] is a builtins.object.*plain data"):
+        state.commit(1, loader=object())
+    with pytest.raises(ValueError, match=r"commit\(step=-1\)"):
+        state.commit(-1)
+    assert inprocess.ReplicatedState is ReplicatedState
+
+
+def test_a_snapshot_interrupted_midway_leaves_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception landing inside a snapshot's copies (the restart's interruption of the main
+    thread) spoils only the buffer being written: the last complete snapshot stays whole."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    state = ReplicatedState(model=model, rng=False)
+    assert state.commit(3, position=30)
+    kept = [t.clone() for t in model.state_dict().values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    copies = {"n": 0}
+    real_copy = torch.Tensor.copy_
+
+    def interrupted(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies["n"] += 1
+        if copies["n"] == 3:
+            raise RuntimeError("interrupted by the restart")
+        return real_copy(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        state.commit(4, position=40)
+    monkeypatch.undo()
+    assert state.step == 3 and state.values == {"position": 30}
+    complete = state._buffers[0]
+    assert complete is not None
+    assert all(torch.equal(a, b) for a, b in zip(complete.tensors, kept, strict=True))
+    # The next snapshot, uninterrupted, takes the spoiled buffer's place.
+    assert state.commit(5, position=50) and state.step == 5
+
+
+def test_every_n_steps_and_plain_values() -> None:
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    state = ReplicatedState(model=model, optimizer=optimizer, every=5)
+    assert not state.commit(3) and state.step is None
+    assert state.commit(5, position=[1, 2], name="x") and state.step == 5
+    assert state.values == {"position": [1, 2], "name": "x"}
