@@ -4,6 +4,7 @@ running roll back to that same step."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import random
 from typing import Any
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 import inprocess
-from conftest import run_job
+from conftest import WORKERS, run_job
+from inprocess.launch import LocalJob
 from inprocess.peer_state import ReplicatedState
+from test_join import Respawner
 
 
 def _job(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: int) -> Any:
@@ -24,7 +27,7 @@ def _job(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: in
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("sync", ["ddp", "manual"])
+@pytest.mark.parametrize("sync", ["ddp", pytest.param("manual", marks=pytest.mark.slow)])
 def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync: str, tmp_path: pathlib.Path) -> None:
     """4 active ranks and 2 spares; two ranks SIGKILLed (a spare takes over each time, its state
     sent by a peer) and two exceptions (every rank rolls back to the newest commit), at steps drawn
@@ -67,6 +70,35 @@ def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync
         assert first["resumed"] in at and first["rank"] in first["receivers"] and first["nbytes"] > 0, why
     # (After an exception the raising rank holds the newest commit; a rank that the restart
     # interrupted between a step's last collective and its commit gets it sent too.)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_respawned_process_joins_and_gets_its_state_from_a_peer(tmp_path: pathlib.Path) -> None:
+    """4 ranks, no spare: initial rank 1 is SIGKILLed at step 9; a stand-in launcher starts its
+    replacement (INPROCESS_JOIN=1), the three others wait at safe points, the grow admits it, and
+    a peer sends it the state of step 9: the job ends bitwise equal to the job without faults
+    (its DDP created again at step 9)."""
+    steps, kill_at = 16, 9
+    clean = _job(tmp_path, "clean", {"steps": steps, "ddp_created_at": [kill_at]}, world_size=4)
+    expected = clean.rank(0)["result"]["digest"]
+    out = tmp_path / "grown"
+    out.mkdir()
+    plan = {"steps": steps, "max_active": 4, "full_world": 4, "grow": {"min_waiting": 1, "check_every": 1},
+            "faults": [{"iteration": 0, "rank": 1, "step": kill_at, "kind": "sigkill"}]}
+    env = {"INPROCESS_TEST_OUT": str(out), "INPROCESS_TEST_PLAN": json.dumps(plan), "INPROCESS_TEST_LOG": "INFO"}
+    with LocalJob([str(WORKERS / "peer_state_worker.py")], 4, env=env) as job, Respawner(job) as respawner:
+        job.wait(240)
+        for _, _, popen in respawner.processes:
+            popen.wait(60)
+    logs = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    why = f"{job.outputs()[-6000:]}\n{respawner.outputs}"
+    assert all(log.get("result") == {"step": steps, "digest": expected} for log in logs.values()), (logs, why)
+    joiner = logs[1]["iterations"][0]  # the replacement's first iteration (its file replaced the killed one's)
+    assert joiner["resumed"] == kill_at and joiner["rank"] in joiner["receivers"] and joiner["nbytes"] > 0, why
+    # The survivors: the restart without rank 1 (world 3, no step), then the grow (world 4, step 9 again).
+    survivor = [(it["world_size"], it["resumed"]) for it in logs[2]["iterations"]]
+    assert survivor == [(4, None), (3, kill_at), (4, kill_at)], why
 
 
 def test_bad_input_is_named() -> None:

@@ -6,7 +6,9 @@ INPROCESS_TEST_PLAN  JSON: {"steps": 30, "every": 1, "max_active": 4,
                      "faults": [{"iteration": 0, "rank": 1, "step": 7, "kind": "sigkill"}],
                      "sync": "ddp" (torch's DistributedDataParallel) or "manual" (an
                      all_reduce per gradient, as a hand-written data-parallel loop),
-                     "ddp_created_at": [7]: steps before which DDP is created again}
+                     "ddp_created_at": [7]: steps before which DDP is created again,
+                     "grow": {...}: Wrapper(grow=GrowPolicy(...)), "full_world": 4: while fewer
+                     ranks are active, wait at safe points for joiners instead of stepping}
 
 Data are a function of (step, active rank) only, so that a job that loses a rank
 to a spare computes what the same job without faults computes, if and only if every
@@ -20,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,6 +68,7 @@ R = inprocess.rank_assignment
                                       R.ShiftRanks()),
     soft_timeout=datetime.timedelta(seconds=10), hard_timeout=datetime.timedelta(seconds=20),
     barrier_timeout=datetime.timedelta(seconds=30), completion_timeout=datetime.timedelta(seconds=30),
+    grow=inprocess.GrowPolicy(**PLAN["grow"]) if "grow" in PLAN else None,
 )
 def train(call_wrapper: inprocess.CallWrapper = None):
     s = call_wrapper.frozen_state
@@ -82,6 +86,12 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         step = 0
         state.commit(0)
     manual = PLAN.get("sync", "ddp") == "manual"
+    while s.active_world_size < PLAN.get("full_world", 0):
+        # Short of ranks: no step (it would split the data otherwise) until a grow takes a joiner in.
+        call_wrapper.ping()
+        call_wrapper.safe_point()
+        dist.barrier()  # in lockstep, as a training loop's collectives keep it: the same safe points everywhere
+        time.sleep(0.05)
     ddp = model if manual else torch.nn.parallel.DistributedDataParallel(model)
     while step < STEPS:
         for f in PLAN.get("faults", []):
