@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import re
 from typing import Any
 
 import pytest
@@ -99,6 +100,23 @@ def test_a_respawned_process_joins_and_gets_its_state_from_a_peer(tmp_path: path
     # The survivors: the restart without rank 1 (world 3, no step), then the grow (world 4, step 9 again).
     survivor = [(it["world_size"], it["resumed"]) for it in logs[2]["iterations"]]
     assert survivor == [(4, None), (3, kill_at), (4, kill_at)], why
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_the_example_runs_as_documented() -> None:
+    """examples/peer_state.py: after the exception every rank resumes at step 30; after the kill
+    the spare (the new rank 3) gets step 60 from rank 0."""
+    example = pathlib.Path(__file__).parent.parent / "examples" / "peer_state.py"
+    with LocalJob([str(example)], 5, env={"EXAMPLE_STEPS": "70"}) as job:
+        ranks = job.wait(timeout=120)
+    assert [r.returncode for r in ranks] == [0, -9, 0, 0, 0], job.outputs()[-6000:]
+    out = ranks[0].output
+    # A rank that the restart interrupted between step 29's last collective and its commit
+    # holds step 29: it gets step 30 from a peer too.
+    assert re.search(r"iteration 1: 4 ranks at step 30(, sent by rank \d to rank\(s\) \[[\d, ]+\])?\n", out), out
+    assert "iteration 2: 4 ranks at step 60, sent by rank 0 to rank(s) [3]" in out, out
+    assert "done: step 70" in out, out
 
 
 def test_bad_input_is_named() -> None:
