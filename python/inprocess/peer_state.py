@@ -186,6 +186,12 @@ class ReplicatedState:
         return None if complete is None else complete.step
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of the last complete snapshot (host memory holds up to twice that: two buffers)."""
+        complete = self._buffers[0]
+        return 0 if complete is None else complete.nbytes
+
+    @property
     def values(self) -> Dict[str, Any]:
         """The plain values given to :meth:`commit` with the snapshot last
         committed or restored."""
