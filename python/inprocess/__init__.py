@@ -46,6 +46,7 @@ _LAZY_ATTRIBUTES = {
     "CallWrapper": "call_wrapper",
     "ReplicatedState": "peer_state",
     "RestartRecord": "call_wrapper",
+    "ShardedState": "peer_state",
     "Wrapper": "wrap",
     "current_call": "call_wrapper",
 }
@@ -70,7 +71,7 @@ _LAZY_MODULES = (
 if TYPE_CHECKING:
     from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
     from .call_wrapper import CallWrapper, RestartRecord, current_call
-    from .peer_state import ReplicatedState
+    from .peer_state import ReplicatedState, ShardedState
     from .wrap import Wrapper
 
 
@@ -101,6 +102,7 @@ __all__ = [
     "RestartAbort",
     "RestartError",
     "RestartRecord",
+    "ShardedState",
     "State",
     "TimeoutError",
     "Wrapper",

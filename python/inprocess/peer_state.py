@@ -29,12 +29,15 @@ are the source's: right when every replica seeds the same way.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
 import random
 import sys
+import threading
 import time
+import zlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -53,6 +56,9 @@ class Snapshot:
     step: int
     skeleton: str
     tensors: List[torch.Tensor]
+    shard: int = -1  # ShardedState: the rank whose shard it is (its rank when it committed)
+    world: int = 0  # ShardedState: how many shards the state had then
+    checksum: int = 0  # ShardedState: of the tensors' bytes, as the committing rank computed it
 
     @property
     def nbytes(self) -> int:
@@ -135,11 +141,86 @@ def _restore_rng(states: Mapping[str, Any]) -> None:
         numpy.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
 
 
-# -- the registered state ------------------------------------------------------
+# -- taking and loading a snapshot --------------------------------------------
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(kind: str, every: int, chunk_bytes: int, objects: Mapping[str, Any]) -> None:
+    if not _is_int(every) or every < 1:
+        raise ValueError(f"{kind}(every={every!r}): expected an int >= 1")
+    if not _is_int(chunk_bytes) or chunk_bytes < 1 << 10:
+        raise ValueError(f"{kind}(chunk_bytes={chunk_bytes!r}): expected an int >= 1024")
+    if not objects:
+        raise ValueError(f"{kind}(): name at least one object, e.g. {kind}(model=model)")
+    for name, obj in objects.items():
+        missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+        if missing:
+            raise TypeError(f"{kind}({name}=...): a {type(obj).__qualname__} has no "
+                            f"{' and no '.join(missing)}(): expected an object with state_dict() and "
+                            "load_state_dict() (a module, an optimizer, a scheduler)")
+
+
+def _check_step(kind: str, step: int) -> None:
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"{kind}.commit(step={step!r}): expected an int >= 0")
+
+
+def _take(objects: Mapping[str, Any], values: Mapping[str, Any], rng: bool, step: int,
+          spare: Optional[Snapshot]) -> Snapshot:
+    """The objects' state, `values` and the RNG states, copied into `spare` (reused
+    when its layout fits, else a new buffer)."""
+    whole = {"objects": {name: obj.state_dict() for name, obj in objects.items()},
+             "values": dict(values), "rng": _capture_rng() if rng else None}
+    live: List[torch.Tensor] = []
+    skeleton = json.dumps(_encode(whole, live, ""), separators=(",", ":"))
+    layout = (skeleton, [(tuple(t.shape), t.dtype) for t in live])
+    if spare is None or spare.layout() != layout:
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
+        spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in live])
+    spare.step = -1  # being written
+    for held, source in zip(spare.tensors, live, strict=True):
+        held.copy_(source.detach(), non_blocking=source.is_cuda)
+    if any(t.is_cuda for t in live):
+        torch.cuda.current_stream().synchronize()
+    spare.step = step
+    return spare
+
+
+def _load(objects: Mapping[str, Any], snapshot: Snapshot, rng: bool) -> Dict[str, Any]:
+    """`snapshot` into the live objects (and the RNG states); its plain values."""
+    whole = json.loads(snapshot.skeleton)
+    (_, parts), = whole.items()
+    by_key = {key: node for key, node in parts}
+    held = dict((key, node) for key, node in by_key["objects"]["D"])
+    for name, obj in objects.items():
+        if name not in held:
+            raise RuntimeError(f"peer state: the snapshot holds no {name!r} (it holds {sorted(held)}): "
+                               "every rank must register the same objects")
+        # A module copies what it loads into its own tensors; anything else (an optimizer)
+        # may keep the tensors it is given: it gets copies, never the snapshot's buffers.
+        clone = not isinstance(obj, torch.nn.Module)
+        obj.load_state_dict(_decode(held[name], snapshot.tensors, clone))
+    states = _decode(by_key["rng"], snapshot.tensors, clone=True)
+    if rng and states is not None:
+        _restore_rng(states)
+    values: Dict[str, Any] = _decode(by_key["values"], snapshot.tensors, clone=True)
+    return values
+
+
+def _checksum(snapshot: Snapshot) -> int:
+    """CRC-32 of every tensor's bytes in order (zlib releases the GIL for large buffers)."""
+    crc = zlib.crc32(snapshot.skeleton.encode())
+    for t in snapshot.tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            crc = zlib.crc32((ctypes.c_char * n).from_address(t.data_ptr()), crc)
+    return crc
+
+
+# -- replicated state ------------------------------------------------------------
 
 
 class ReplicatedState:
@@ -157,18 +238,7 @@ class ReplicatedState:
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  **objects: Any) -> None:
-        if not _is_int(every) or every < 1:
-            raise ValueError(f"ReplicatedState(every={every!r}): expected an int >= 1")
-        if not _is_int(chunk_bytes) or chunk_bytes < 1 << 10:
-            raise ValueError(f"ReplicatedState(chunk_bytes={chunk_bytes!r}): expected an int >= 1024")
-        if not objects:
-            raise ValueError("ReplicatedState(): name at least one object, e.g. ReplicatedState(model=model)")
-        for name, obj in objects.items():
-            missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
-            if missing:
-                raise TypeError(f"ReplicatedState({name}=...): a {type(obj).__qualname__} has no "
-                                f"{' and no '.join(missing)}(): expected an object with state_dict() and "
-                                "load_state_dict() (a module, an optimizer, a scheduler)")
+        _check_arguments("ReplicatedState", every, chunk_bytes, objects)
         self.every = every
         self.rng = rng
         self.chunk_bytes = chunk_bytes
@@ -201,26 +271,11 @@ class ReplicatedState:
         """The state after `step` steps is complete: snapshot it if `step` is a
         multiple of ``every``. `values`: plain data to keep with it (the data
         loader's position, a counter). True when a snapshot was taken."""
-        if not _is_int(step) or step < 0:
-            raise ValueError(f"ReplicatedState.commit(step={step!r}): expected an int >= 0")
+        _check_step("ReplicatedState", step)
         if step % self.every:
             return False
-        whole = {"objects": {name: obj.state_dict() for name, obj in self._objects.items()},
-                 "values": values, "rng": _capture_rng() if self.rng else None}
-        live: List[torch.Tensor] = []
-        skeleton = json.dumps(_encode(whole, live, ""), separators=(",", ":"))
         complete, spare = self._buffers
-        layout = (skeleton, [(tuple(t.shape), t.dtype) for t in live])
-        if spare is None or spare.layout() != layout:
-            pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
-            spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in live])
-        spare.step = -1  # being written
-        for held, source in zip(spare.tensors, live, strict=True):
-            held.copy_(source.detach(), non_blocking=source.is_cuda)
-        if any(t.is_cuda for t in live):
-            torch.cuda.current_stream().synchronize()
-        spare.step = step
-        self._buffers = (spare, complete)
+        self._buffers = (_take(self._objects, values, self.rng, step, spare), complete)
         self._values = dict(values)
         return True
 
@@ -257,7 +312,7 @@ class ReplicatedState:
                 nbytes = complete.nbytes
                 self._buffers = (complete, self._buffers[0])
         assert complete is not None and complete.step == newest
-        self._load(complete)
+        self._values = _load(self._objects, complete, self.rng)
         low = _all_reduce(complete.step, dist.ReduceOp.MIN, group, device)
         if low != newest:
             raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {newest}) after the transfer")
@@ -271,23 +326,275 @@ class ReplicatedState:
             log.info("peer state: every rank holds step %d: restored from memory in %.0f ms", newest, 1e3 * seconds)
         return newest
 
-    def _load(self, snapshot: Snapshot) -> None:
-        whole = json.loads(snapshot.skeleton)
-        (_, parts), = whole.items()
-        by_key = {key: node for key, node in parts}
-        objects = dict((key, node) for key, node in by_key["objects"]["D"])
-        for name, obj in self._objects.items():
-            if name not in objects:
-                raise RuntimeError(f"peer state: the snapshot holds no {name!r} (it holds {sorted(objects)}): "
-                                   "every rank must register the same objects")
-            # A module copies what it loads into its own tensors; anything else (an optimizer)
-            # may keep the tensors it is given: it gets copies, never the snapshot's buffers.
-            clone = not isinstance(obj, torch.nn.Module)
-            obj.load_state_dict(_decode(objects[name], snapshot.tensors, clone))
-        self._values = _decode(by_key["values"], snapshot.tensors, clone=True)
-        rng = _decode(by_key["rng"], snapshot.tensors, clone=True)
-        if self.rng and rng is not None:
-            _restore_rng(rng)
+
+# -- sharded state ---------------------------------------------------------------
+
+
+def partner_distance(world: int, local_world_size: Optional[int]) -> int:
+    """How far ahead a rank's partner sits: the ranks of one node are consecutive
+    (``LOCAL_WORLD_SIZE`` of them), so a partner one node ahead is on another node,
+    and one node's loss never takes a shard and its copy together. 1 on one node."""
+    if local_world_size is None or local_world_size < 1 or local_world_size >= world:
+        return 1
+    return local_world_size
+
+
+class ShardedState:
+    """Each rank's own shard of the training state (ZeRO/FSDP style: no two
+    ranks hold the same), kept in host memory at commit points, with a copy of
+    one partner's last committed shard, so that a rank that takes over gets its
+    shard from the partner's copy.
+
+    ``ShardedState(model=shard_module, optimizer=optimizer, every=10)``: each
+    keyword names an object with ``state_dict()``/``load_state_dict()`` holding
+    this rank's shard. :meth:`commit` snapshots this rank's shard (on the calling
+    thread: the next step may change it) and then, on a thread of its own, sends
+    it to the rank that keeps its copy and receives its partner's shard, with a
+    CRC-32 so that a torn copy is never used; the next :meth:`commit` waits for
+    that exchange. Partners are ``distance`` ranks apart (default: one node,
+    ``LOCAL_WORLD_SIZE``). :meth:`restore` (a collective, each iteration, before
+    the first step and before any commit) finds the newest step at which every
+    shard is held, by its rank or a copy, and loads each rank's shard, sent to it
+    where it lacks it; None when some shard and its copy are both lost, saying
+    which. The number of shards is the active world size: a state committed by
+    another number of ranks is not used.
+    """
+
+    def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 distance: Optional[int] = None, **objects: Any) -> None:
+        _check_arguments("ShardedState", every, chunk_bytes, objects)
+        if distance is not None and (not _is_int(distance) or distance < 1):
+            raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
+        self.every = every
+        self.rng = rng
+        self.chunk_bytes = chunk_bytes
+        self.distance = distance
+        self._objects: Dict[str, Any] = dict(objects)
+        self._own: Tuple[Optional[Snapshot], Optional[Snapshot]] = (None, None)  # (complete, spare)
+        self._copy: Tuple[Optional[Snapshot], Optional[Snapshot]] = (None, None)  # the partner's
+        self._values: Dict[str, Any] = {}
+        self._exchange: Optional[Any] = None  # the private gloo group of this iteration
+        self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
+        self._pending: Optional[threading.Thread] = None
+        self._exchange_error: Optional[BaseException] = None
+        self.last_restore: Optional[RestoreRecord] = None
+
+    @property
+    def step(self) -> Optional[int]:
+        complete = self._own[0]
+        return None if complete is None else complete.step
+
+    @property
+    def copy_step(self) -> Optional[int]:
+        """The step of the partner's shard this rank holds a complete, checked copy of."""
+        complete = self._copy[0]
+        return None if complete is None else complete.step
+
+    @property
+    def values(self) -> Dict[str, Any]:
+        return dict(self._values)
+
+    def commit(self, step: int, **values: Any) -> bool:
+        """This rank's shard after `step` steps is complete: snapshot it if `step` is
+        a multiple of ``every``, and send it to its copy's keeper in the background.
+        Every rank commits at the same steps (the exchange pairs them)."""
+        _check_step("ShardedState", step)
+        if step % self.every:
+            return False
+        if self._exchange is None:
+            raise RuntimeError("ShardedState.commit(): call restore() first in each iteration (it sets up the "
+                               "exchange with the partners of this iteration's ranks)")
+        self.wait()
+        rank, world, _, _ = self._ring
+        complete, spare = self._own
+        snapshot = _take(self._objects, values, self.rng, step, spare)
+        snapshot.shard, snapshot.world = rank, world
+        self._own = (snapshot, complete)
+        self._values = dict(values)
+        self._pending = threading.Thread(target=self._exchange_copies, args=(snapshot,),
+                                         name="inprocess-shard-exchange", daemon=True)
+        self._pending.start()
+        return True
+
+    def wait(self) -> None:
+        """Until the last commit's exchange ended (an exchange that failed, a peer
+        lost meanwhile, leaves the previous copy in place)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+        if self._exchange_error is not None:
+            log.info("peer state: the last shard exchange failed (%s): the previous copy stays",
+                     self._exchange_error)
+            self._exchange_error = None
+
+    def _exchange_copies(self, snapshot: Snapshot) -> None:
+        try:
+            snapshot.checksum = _checksum(snapshot)
+            _, world, keeper, partner = self._ring
+            if world == 1:
+                return  # no partner: nothing can stand in for this shard
+            received = _swap(snapshot, keeper, partner, self._exchange, self.chunk_bytes, self._copy[1])
+            if _checksum(received) != received.checksum:
+                raise RuntimeError(f"the copy of shard {received.shard} at step {received.step} is torn")
+            self._copy = (received, self._copy[0])
+        except BaseException as e:  # the restart's abort of the group, a peer's death: kept for wait()
+            self._exchange_error = e
+
+    def restore(self, group: Optional[Any] = None) -> Optional[int]:
+        """Collective over the default process group, on every rank of the new
+        iteration before its first step (and before any commit in it)."""
+        import torch.distributed as dist
+
+        if group is not None:
+            raise ValueError("ShardedState.restore(group=...): only the default process group is supported")
+        started = time.monotonic()
+        self.wait()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = _device_of(None)
+        table = _held_table(self._own, self._copy, rank, world, device)
+        plan = _plan_shards(table, world)
+        distance = self.distance or partner_distance(world, _local_world_size())
+        self._exchange = dist.new_group(backend="gloo")
+        self._ring = (rank, world, (rank - distance) % world, (rank + distance) % world)
+        if isinstance(plan, str):
+            self._own = self._copy = (None, None)
+            self.last_restore = RestoreRecord(None, None, (), 0, time.monotonic() - started)
+            if rank == 0:
+                log.info("peer state: %s: the function loads its own", plan)
+            return None
+        step, sources = plan
+        nbytes = 0
+        mine = _held(self._own, self._copy, rank, step)
+        for shard, source in enumerate(sources):
+            if source == shard:
+                continue
+            if rank == source:
+                held = _held(self._own, self._copy, shard, step)
+                assert held is not None
+                nbytes += _send(held, shard, None, device, self.chunk_bytes)
+            elif rank == shard:
+                mine = _receive(source, None, device, self.chunk_bytes)
+                nbytes = mine.nbytes
+                if _checksum(mine) != mine.checksum:
+                    raise RuntimeError(f"peer state: shard {shard} of step {step} from rank {source} is torn")
+        assert mine is not None and mine.step == step and mine.shard == rank
+        self._values = _load(self._objects, mine, self.rng)
+        low = _all_reduce(step, dist.ReduceOp.MIN, None, device)
+        if low != step:
+            raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {step}) after the transfer")
+        self._own, self._copy = (mine, None), (None, None)
+        # The copies under this iteration's partners, before the first step: a loss in it finds them.
+        self._pending = threading.Thread(target=self._exchange_copies, args=(mine,), name="inprocess-shard-exchange",
+                                         daemon=True)
+        self._pending.start()
+        self.wait()
+        receivers = tuple(shard for shard, source in enumerate(sources) if source != shard)
+        seconds = time.monotonic() - started
+        self.last_restore = RestoreRecord(step, None, receivers, nbytes, seconds)
+        if rank in receivers:
+            log.info("peer state: shard %d of step %d from rank %d: %.1f MB in %.0f ms", rank, step, sources[rank],
+                     nbytes / 2**20, 1e3 * seconds)
+        elif rank == 0:
+            log.info("peer state: step %d, every shard held%s", step,
+                     f"; sent to rank(s) {', '.join(map(str, receivers))}" if receivers else " by its own rank")
+        return step
+
+
+def _local_world_size() -> Optional[int]:
+    import os
+
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else None
+
+
+def _held(own: Tuple[Optional[Snapshot], Optional[Snapshot]], copy: Tuple[Optional[Snapshot], Optional[Snapshot]],
+          shard: int, step: int) -> Optional[Snapshot]:
+    """This rank's snapshot of `shard` at `step`: its own or a partner's copy (complete ones only)."""
+    for snapshot in (*own, *copy):
+        if snapshot is not None and snapshot.shard == shard and snapshot.step == step:
+            return snapshot
+    return None
+
+
+def _held_table(own: Tuple[Optional[Snapshot], Optional[Snapshot]],
+                copy: Tuple[Optional[Snapshot], Optional[Snapshot]], rank: int, world: int,
+                device: torch.device) -> List[List[Tuple[int, int]]]:
+    """Every rank's (shard, step) pairs, by rank: its two own snapshots, then its two copies
+    ((-1, -1) for none, and for a snapshot of a state with another number of shards)."""
+    import torch.distributed as dist
+
+    rows = torch.full((world, 8), -1, dtype=torch.int64, device=device)
+    mine = []
+    for snapshot in (*own, *copy):
+        usable = snapshot is not None and snapshot.step >= 0 and snapshot.world == world
+        mine += [snapshot.shard, snapshot.step] if usable and snapshot is not None else [-1, -1]
+    rows[rank] = torch.tensor(mine, dtype=torch.int64, device=device)
+    rows += 1  # a sum of every rank's row: others hold -1 + 1 = 0 there
+    dist.all_reduce(rows)
+    rows -= 1
+    flat = rows.tolist()
+    return [[(row[i], row[i + 1]) for i in range(0, 8, 2)] for row in flat]
+
+
+def _plan_shards(table: List[List[Tuple[int, int]]], world: int) -> Tuple[int, List[int]] | str:
+    """The newest step at which every shard 0..world-1 is held, and who sends each
+    (the shard's own rank where it holds it); else why not, in one line."""
+    steps = sorted({step for row in table for shard, step in row if step >= 0}, reverse=True)
+    if not steps:
+        return "no rank holds a committed shard (none committed yet, or every holder lost)"
+    for step in steps:
+        sources = []
+        for shard in range(world):
+            holders = [r for r, row in enumerate(table) if (shard, step) in row]
+            if not holders:
+                break
+            sources.append(shard if shard in holders else holders[0])
+        else:
+            return step, sources
+    newest = steps[0]
+    lost = [shard for shard in range(world) if not any((shard, newest) in row for row in table)]
+    return (f"shard(s) {', '.join(map(str, lost))} of step {newest} lost with their copies (and no older step "
+            "has every shard)")
+
+
+def _swap(snapshot: Snapshot, keeper: int, partner: int, group: Any, chunk: int,
+          spare: Optional[Snapshot]) -> Snapshot:
+    """Sends `snapshot` to `keeper` and receives `partner`'s at once (every rank does
+    both: sends are posted first, non-blocking, so that the ring never waits on itself)."""
+    import torch.distributed as dist
+
+    header = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
+                         "world": snapshot.world, "checksum": snapshot.checksum,
+                         "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
+    encoded = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+    length = torch.tensor([encoded.numel()], dtype=torch.int64)
+    pieces = [_byte_view(length), encoded] + [_byte_view(t) for t in snapshot.tensors]
+    works = [dist.isend(piece[start:start + chunk], keeper, group=group)
+             for piece in pieces for start in range(0, piece.numel(), chunk)]
+    their_length = torch.zeros(1, dtype=torch.int64)
+    dist.recv(_byte_view(their_length), partner, group=group)
+    their = torch.empty(int(their_length.item()), dtype=torch.uint8)
+    _recv_chunks(their, partner, group, chunk)
+    meta = json.loads(bytes(their.tolist()).decode())
+    shapes = [(tuple(shape), getattr(torch, dtype)) for shape, dtype in meta["tensors"]]
+    if spare is None or spare.layout() != (meta["skeleton"], shapes):
+        spare = Snapshot(-1, meta["skeleton"], [torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+    spare.step = -1  # being written
+    for t in spare.tensors:
+        _recv_chunks(_byte_view(t), partner, group, chunk)
+    for work in works:
+        if work is not None:
+            work.wait()
+    spare.shard, spare.world, spare.checksum = int(meta["shard"]), int(meta["world"]), int(meta["checksum"])
+    spare.step = int(meta["step"])
+    return spare
+
+
+def _recv_chunks(data: torch.Tensor, peer: int, group: Any, chunk: int) -> None:
+    import torch.distributed as dist
+
+    for start in range(0, data.numel(), chunk):
+        dist.recv(data[start:start + chunk], peer, group=group)
 
 
 # -- the transfer --------------------------------------------------------------
@@ -356,7 +663,8 @@ def _recv_bytes(data: torch.Tensor, peer: int, group: Optional[Any], device: tor
 
 def _send(snapshot: Snapshot, peer: int, group: Optional[Any], device: torch.device, chunk: int) -> int:
     """The snapshot to `peer`: its step and layout as JSON, then every tensor's bytes."""
-    header = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton,
+    header = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
+                         "world": snapshot.world, "checksum": snapshot.checksum,
                          "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
     encoded = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
     staging = torch.empty(chunk, dtype=torch.uint8, device=device) if device.type == "cuda" else None
@@ -378,4 +686,5 @@ def _receive(peer: int, group: Optional[Any], device: torch.device, chunk: int) 
     tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in header["tensors"]]
     for t in tensors:
         _recv_bytes(_byte_view(t), peer, group, device, chunk, staging)
-    return Snapshot(int(header["step"]), header["skeleton"], tensors)
+    return Snapshot(int(header["step"]), header["skeleton"], tensors, int(header["shard"]), int(header["world"]),
+                    int(header["checksum"]))
