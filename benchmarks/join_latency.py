@@ -20,10 +20,10 @@ shares: (a) the joiner's process start (the driver's ``Popen``) to its
 announcement, to its admission, to its first step (the first all_reduce of
 its first iteration, with every rank); (b) every restart's pause of the
 healthy ranks: from the fault (the kill, or the raise) to the first step of
-the next iteration, the last healthy rank's. The issue asks for the pause
-per *grow* (a restart made to take joiners in): grows do not exist yet, so
-(b) is measured for restarts that admit a joiner (triggered by a fault), next
-to restarts of the same fault without one.
+the next iteration, the last healthy rank's. (b) is measured for restarts
+that admit a joiner *triggered by a fault*, next to restarts of the same fault
+without one; the pause per *grow* (a restart the grow policy makes at a safe
+point, no fault) is ``benchmarks/grow_pause.py``'s.
 
 ``python benchmarks/join_latency.py --cycles 50`` (each cycle pays a joiner's
 interpreter and torch import, seconds on a loaded machine). Prints a table,
