@@ -255,7 +255,7 @@ def test_a_node_cut_off_then_brought_back_rejoins_and_the_world_returns(cluster:
     world, cut = NODES * PER_NODE, NODES - 1
     lost = [cut * PER_NODE + k for k in range(PER_NODE)]
     survivors = [seat for seat in range(world) if seat not in lost]
-    plan = {"steps": 40, "step_s": 0.05, "active": world, "until_world": world, "steps_at_full": 20,
+    plan = {"steps": 40, "step_s": 0.05, "active": world, "until_world": world, "steps_at_full": 10,
             "grow": {"check_every": 5, "min_waiting": PER_NODE}, "pg_timeout": 20, "wrapper": REJOIN_TIMEOUTS}
     job_env = {"INPROCESS_TEST_OUT": str(out), "INPROCESS_TEST_PLAN": json.dumps(plan), "INPROCESS_TEST_LOG": "INFO",
                "INPROCESS_TEST_DUMP_AFTER": "150"}
