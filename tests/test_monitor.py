@@ -410,6 +410,51 @@ def test_monitor_heartbeats_through_the_store(rank_run: Any, store: Any) -> None
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank0_beat", [True, False], ids=["counter stands still", "counter never created"])
+def test_a_silent_peer_is_counted_out_and_only_it(rank_run: Any, store: Any, rank0_beat: bool) -> None:
+    """Rank 1's monitor (world 4, heartbeat_timeout 2 s) watches ranks 2, 3 and 0 in iteration 2.
+    Ranks 2 and 3 beat on; rank 0's counter stands still after one beat, or never appears: its
+    node was cut off before its monitor's first heartbeat reached the store. Either way rank 0 is
+    counted out once heartbeat_timeout has passed, and nobody else. Before, a counter never
+    created was never watched: the job waited at the restart barrier until barrier_timeout."""
+    interval, timeout = 0.1, 2.0
+    keys = {r: monitor_heartbeat_key(0, r) for r in (0, 2, 3)}
+    store.set(RestartProtocol(store, 0).seat_key(0), "2")  # rank 0 runs iteration 2, as rank 1 does
+    if rank0_beat:
+        store.add(keys[0], 1)
+    run = rank_run(action="wait", heartbeat_interval_s=interval, heartbeat_timeout_s=timeout,
+                   initial_world_size=4)
+
+    def beat_and_read(seconds: float, until_fault: bool) -> list[Any]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            store.add(keys[2], 1)
+            store.add(keys[3], 1)
+            faults = _faults(store, 2)
+            if faults and until_fault:
+                return faults
+            time.sleep(interval)
+        return _faults(store, 2)
+
+    store.add(keys[2], 1)
+    store.add(keys[3], 1)
+    run.ready()
+    watched_from = time.monotonic()
+    faults = beat_and_read(20, until_fault=True)
+    took = time.monotonic() - watched_from
+    assert faults, f"rank 0 was not counted out within 20 s:\n{run.log()}"
+    # Not at once: its silence is timed from the monitor's first look (just before "ready").
+    assert took > timeout / 2, (took, run.log())
+    faults = beat_and_read(2 * timeout, until_fault=False)  # ranks 2 and 3 beat on: they stay
+    assert [(f.rank, f.iteration, f.kind, f.type) for f in faults] == [(0, 2, "unresponsive", "HeartbeatTimeout")], \
+        (faults, run.log())
+    assert "the monitor of rank 0 sent no heartbeat" in faults[0].message, faults[0]
+    assert store.get("inprocess/0/2/event") == b"restart"
+    os.kill(run.proc.pid, signal.SIGKILL)
+    assert run.wait_monitor(20) == EXIT_OK, run.log()
+
+
+@pytest.mark.timeout(60)
 def test_a_ctrl_c_while_the_monitor_starts_does_not_end_it(rank_run: Any, store: Any) -> None:
     """A Ctrl-C reaches the rank's whole process group, its monitor too, which ignores SIGINT:
     also in the second or so before its interpreter reaches the line that says so (the rank

@@ -4,7 +4,11 @@ Configured by environment variables (the tests set them):
   INPROCESS_TEST_OUT      directory for this process's JSON result, seat<r>.life<k>.json
   INPROCESS_TEST_PLAN     JSON: {"steps": 60, "step_s": 0.02, "active": 4 (MaxActiveWorldSize; absent: all),
                           "kills": [{"seat": 1, "life": 0, "step": 10}, {"active_rank": 2, "step": 20,
-                          "after_joiners": 1}], "end_after_joiners": 1, "wrapper": {...}}
+                          "after_joiners": 1}], "end_after_joiners": 1, "until_world": 4,
+                          "steps_at_full": 20 (with until_world: at least this many steps once the world
+                          is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
+                          "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
+                          Wrapper's default), ...}}
   INPROCESS_RESPAWN_COUNT which life of its seat this process is (0: the job's first processes)
 
 The state a process resumes from is what a user's code would load: a checkpoint
@@ -128,6 +132,7 @@ wrapper = inprocess.Wrapper(
     barrier_timeout=td(spec.get("barrier_timeout", 60)),
     completion_timeout=td(spec.get("completion_timeout", 60)),
     heartbeat_timeout=td(spec.get("heartbeat_timeout", 30)),
+    **{name: td(spec[name]) for name in ("heartbeat_interval", "termination_grace_time") if name in spec},
 )
 
 
@@ -153,8 +158,13 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     assert int(steps) == step, f"seat {SEAT}: resumed at {step}, another rank at {int(steps)}"
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    # "until_world": the loop goes on past "steps" while the world is smaller (a grow test's wait).
-    while step < PLAN.get("steps", 60) or state.active_world_size < PLAN.get("until_world", 0):
+    # "until_world": the loop goes on past "steps" while the world is smaller (a grow test's wait);
+    # "steps_at_full": once it is that large, it trains at least so many steps more (the same end on
+    # every rank: they all resumed at the same step).
+    last_step = PLAN.get("steps", 60)
+    if state.active_world_size >= PLAN.get("until_world", 0):
+        last_step = max(last_step, step + PLAN.get("steps_at_full", 0))
+    while step < last_step or state.active_world_size < PLAN.get("until_world", 0):
         call_wrapper.ping()
         kill = kill_here(step, state.active_rank)
         if kill is not None:

@@ -2,8 +2,10 @@
 
 argv[1] is a JSON plan: store_port, rank, call, iteration, world_size, phase
 (a _native.Phase name), hard_timeout_s (0: none), grace_s, flags (list of
-flag names), pidfile, logfile, action. Prints "ready <monitor pid>" once the
-monitor watches (its pidfile exists), then does ``action``:
+flag names), pidfile, logfile, action; optional: initial_world_size,
+barrier_timeout_s, heartbeat_interval_s, heartbeat_timeout_s (0: no peers
+watched). Prints "ready <monitor pid>" once the monitor watches (its pidfile
+exists), then does ``action``:
 
   wait   sleep (the test injects the fault: SIGKILL, SIGSTOP)
   hang   sleep without progress: the hard timeout kills it
@@ -33,7 +35,8 @@ config = MonitorConfig(
     heartbeat_fd=page.fd, pid=os.getpid(), grace_s=plan["grace_s"],
     world_size=plan.get("initial_world_size"), kill_wait_s=2.0, store_timeout_s=10.0,
     barrier_timeout_s=plan.get("barrier_timeout_s", 10.0), logfile=plan["logfile"], pidfile=plan["pidfile"],
-    heartbeat_interval_s=plan.get("heartbeat_interval_s", 0.0), log_level="DEBUG",
+    heartbeat_interval_s=plan.get("heartbeat_interval_s", 0.0),
+    heartbeat_timeout_s=plan.get("heartbeat_timeout_s", 0.0), log_level="DEBUG",
 )
 monitor = HelperProcess.start(config, env=dict(os.environ, INPROCESS_MONITOR_REPORT_MODULES="1"))
 print(f"spawned {monitor.pid}", flush=True)

@@ -162,8 +162,15 @@ class PeerWatch:
 
     A counter that stands still for ``timeout_s`` of THIS host's monotonic
     clock means the peer's monitor (or node) is lost: no clock of another host
-    is compared. Every rank is watched by up to WATCHED_PEERS monitors; its
-    seat makes only the first to count it out do so.
+    is compared. So does a counter that never appears within ``timeout_s`` of
+    this watcher's first look: the watcher looks only once its own rank passed
+    the initial barrier, which every peer's rank reached with its monitor
+    started, and a monitor adds to its counter as soon as it starts. (A node
+    cut off right after the job started, before its monitors' first heartbeat
+    reached the store, was otherwise never counted out: the others waited at
+    the restart barrier until barrier_timeout, and left the job.) Every rank is
+    watched by up to WATCHED_PEERS monitors; its seat makes only the first to
+    count it out do so.
     """
 
     def __init__(self, call: int, rank: int, world_size: int, timeout_s: float, incarnation: str = ""):
@@ -175,13 +182,13 @@ class PeerWatch:
         self.last: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self.done: set[int] = set()  # gone on purpose, or counted out
         self.exists: set[int] = set()
+        self.first_look: Optional[float] = None  # the silence of a counter never seen is timed from here
 
     def _confirm(self, store: Any) -> None:
         """multi_get waits for missing keys: read only counters known to exist.
-        A monitor creates its counter when it starts; until then (or forever,
-        for a rank dead before its monitor could beat: its monitor counts it
-        out) the peer is checked, one ``check`` for all of them in the usual case."""
-        missing = [p for p in self.peers if p not in self.exists]
+        A monitor creates its counter when it starts; until then the peer is
+        checked, one ``check`` for all of them in the usual case."""
+        missing = [p for p in self.peers if p not in self.exists and p not in self.done]
         if not missing:
             return
         keys = [monitor_heartbeat_key(self.call, p, self.incarnation) for p in missing]
@@ -194,13 +201,20 @@ class PeerWatch:
 
     def poll(self, store: Any) -> list[tuple[int, float]]:
         """Read the watched counters; returns the peers silent for too long (once each)."""
+        if self.first_look is None:
+            self.first_look = time.monotonic()
         self._confirm(store)
+        lost = []
+        now = time.monotonic()
+        for peer in self.peers:
+            if peer not in self.exists and peer not in self.done and now - self.first_look > self.timeout_s:
+                self.done.add(peer)
+                lost.append((peer, now - self.first_look))
         peers = [p for p in self.peers if p in self.exists and p not in self.done]
         if not peers:
-            return []
+            return lost
         values = store.multi_get([monitor_heartbeat_key(self.call, p, self.incarnation) for p in peers])
         now = time.monotonic()
-        lost = []
         for peer, raw in zip(peers, values, strict=True):
             value = int(raw)
             if value >= HEARTBEAT_GONE:
