@@ -119,6 +119,33 @@ def test_the_example_runs_as_documented() -> None:
     assert "done: step 70" in out, out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(330)
+def test_a_source_that_dies_during_the_transfer_is_replaced_by_another_holder(tmp_path: pathlib.Path) -> None:
+    """Rank 1 is killed at step 6; in the restore that follows, the source (initial rank 0)
+    dies after three of its chunks (1 KiB each). The receiver's restore fails, the job restarts
+    once more, the second spare takes rank 0's place, another holder sends the state to both
+    spares, and the job ends bitwise equal to the job without faults."""
+    steps = 12
+    clean = _job(tmp_path, "clean", {"steps": steps, "ddp_created_at": [6]}, world_size=4)
+    expected = clean.rank(0)["result"]["digest"]
+    plan = {"steps": steps, "max_active": 4, "chunk_bytes": 1024,
+            "faults": [{"iteration": 0, "rank": 1, "step": 6, "kind": "sigkill"}],
+            "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}}
+    faulty = _job(tmp_path, "faulty", plan, world_size=6)
+    why = faulty.describe()
+    assert faulty.returncodes[:2] == [-9, -9], why
+    for r in (2, 3, 4, 5):
+        result = faulty.rank(r).get("result")
+        assert faulty.returncodes[r] == 0 and result == {"step": steps, "digest": expected}, (r, result, why)
+    # Iteration 1's restore lost its source (it raised on every rank: no entry); iteration 2's completed.
+    last = faulty.rank(2)["iterations"][-1]
+    assert (last["iteration"], last["resumed"]) == (2, 6), why
+    for spare in (4, 5):
+        last = faulty.rank(spare)["iterations"][-1]
+        assert last["iteration"] == 2 and last["resumed"] == 6 and last["rank"] in last["receivers"], why
+
+
 def _sharded(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: int) -> Any:
     folder = tmp_path / name
     folder.mkdir()

@@ -8,7 +8,10 @@ INPROCESS_TEST_PLAN  JSON: {"steps": 30, "every": 1, "max_active": 4,
                      all_reduce per gradient, as a hand-written data-parallel loop),
                      "ddp_created_at": [7]: steps before which DDP is created again,
                      "grow": {...}: Wrapper(grow=GrowPolicy(...)), "full_world": 4: while fewer
-                     ranks are active, wait at safe points for joiners instead of stepping}
+                     ranks are active, wait at safe points for joiners instead of stepping,
+                     "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}: that rank's
+                     process SIGKILLs itself after that many point-to-point sends of a restore,
+                     "chunk_bytes": the transfer's chunk size}
 
 Data are a function of (step, active rank) only, so that a job that loses a rank
 to a spare computes what the same job without faults computes, if and only if every
@@ -39,7 +42,8 @@ logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"),
 torch.manual_seed(0)  # every replica starts from the same weights, as DDP expects
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.get("every", 1))
+state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.get("every", 1),
+                                  chunk_bytes=PLAN.get("chunk_bytes", 64 << 20))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 
@@ -53,6 +57,22 @@ def digest():
             h.update(f"{index}.{key}".encode())
             h.update(value.detach().contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
     return h.hexdigest()
+
+
+def die_while_sending(spec, iteration):
+    """The source of a restore dies in the middle of its transfer: dist.send (which only the
+    transfer calls in this job) kills this process after `after` sends."""
+    if spec is None or spec["iteration"] != iteration or spec["rank"] != INITIAL_RANK:
+        return
+    real_send, sent = dist.send, []
+
+    def send(*args, **kwargs):
+        if len(sent) == spec["after"]:
+            os.kill(os.getpid(), 9)
+        sent.append(1)
+        return real_send(*args, **kwargs)
+
+    dist.send = send
 
 
 def write():
@@ -74,6 +94,7 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     s = call_wrapper.frozen_state
     dist.init_process_group("gloo", store=call_wrapper.store, rank=s.active_rank, world_size=s.active_world_size,
                             timeout=datetime.timedelta(seconds=10))
+    die_while_sending(PLAN.get("die_while_sending"), call_wrapper.iteration)
     resumed = state.restore()
     record = state.last_restore
     entry = {"iteration": call_wrapper.iteration, "rank": s.active_rank, "world_size": s.active_world_size,
