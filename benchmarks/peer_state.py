@@ -47,8 +47,10 @@ def _peak_rss_mb() -> float:
 def _group(rank: int, port: int) -> Any:
     import datetime
 
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # two ranks share the cores, as torchrun sets it
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     return dist
