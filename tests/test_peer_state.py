@@ -204,6 +204,20 @@ def test_a_shard_lost_with_its_copy_falls_back_and_says_so(tmp_path: pathlib.Pat
     assert re.search(r"peer state: shard\(s\) (0, )?1 of step [56] lost with their copies", faulty.job.outputs()), why
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_the_sharded_example_runs_as_documented() -> None:
+    """examples/sharded_state.py: after the kill at step 40 the spare gets rank 1's slice from
+    rank 0's copy, and every rank resumes at the last step whose copies were complete."""
+    example = pathlib.Path(__file__).parent.parent / "examples" / "sharded_state.py"
+    with LocalJob([str(example)], 5, env={"EXAMPLE_STEPS": "50"}) as job:
+        ranks = job.wait(timeout=120)
+    assert [r.returncode for r in ranks] == [0, -9, 0, 0, 0], job.outputs()[-6000:]
+    out = ranks[0].output
+    assert re.search(r"iteration 1: 4 ranks at step (39|40)\n", out), out
+    assert "done: step 50" in out, out
+
+
 def test_bad_input_is_named() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"every=0.*int >= 1"):
