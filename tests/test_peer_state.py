@@ -74,6 +74,7 @@ def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # two jobs, one waiting for a joiner's start (2 min under load)
 @pytest.mark.timeout(300)
 def test_a_respawned_process_joins_and_gets_its_state_from_a_peer(tmp_path: pathlib.Path) -> None:
     """4 ranks, no spare: initial rank 1 is SIGKILLed at step 9; a stand-in launcher starts its
@@ -120,6 +121,7 @@ def test_the_example_runs_as_documented() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # two jobs of 4 and 6 processes
 @pytest.mark.timeout(330)
 def test_a_source_that_dies_during_the_transfer_is_replaced_by_another_holder(tmp_path: pathlib.Path) -> None:
     """Rank 1 is killed at step 6; in the restore that follows, the source (initial rank 0)
