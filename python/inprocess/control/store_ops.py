@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union, overload
 
 from ..exception import TimeoutError
+from .tcpstore_client import TCPStoreClient
 
 # Long waits are cut into chunks so that a cancelled waiter notices within one
 # chunk; the fault itself wakes the waiter at once, whatever the chunk. Read at
@@ -195,8 +196,6 @@ class CountingStore:
         host, port = getattr(self.raw, "host", None), getattr(self.raw, "port", None)
         if not isinstance(host, str) or type(port) is not int:
             return None
-        from .tcpstore_client import TCPStoreClient
-
         timeout = getattr(self.raw, "timeout", None) or _td(300.0)
         self._count()
         return TCPStoreClient(host, port, timeout=timeout, connect_timeout=timeout, retry_refused=False)
