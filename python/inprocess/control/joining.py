@@ -61,8 +61,11 @@ its own to the store server opened for them: 1 call), the ``told`` values
 compare_sets pipelined, the mark: 2K + 8 calls in about 8 round trips (K <
 3: one after another, no extra connection). The next barrier's leader reads
 the lines and the mark only (2 calls): the mark tells it which lines were
-admitted at the barrier before. No other rank does anything. This module
-imports no torch.
+admitted at the barrier before. No other rank does anything. The extra
+connection is opened inside the restart: a server that looks up the name of
+every client it accepts (torch's, in a process that did not call
+:func:`~inprocess.control.host_names.numeric_host_names`, e.g. torchrun's
+agent store) makes that lookup then. This module imports no torch.
 """
 
 from __future__ import annotations
