@@ -6,7 +6,8 @@ connection against a TCPStore server (libuv, in this process's own server
 thread: the same round trips a leader makes, without 16,384 other ranks),
 for K joiners announced for K counted-out seats; then the next barrier's
 ``admit`` (nothing new to admit) and the one after. Per call: store calls
-(``RestartProtocol.ops``), milliseconds, and the calls' share of them.
+(``RestartProtocol.ops``: a pipelined compare_set counts as one, though K
+of them share a round trip), milliseconds, and milliseconds per call.
 
 ``python benchmarks/join_admit.py --joiners 16 64 256 1024`` prints a table
 and one JSON line; ``--smoke`` measures 16 joiners only.

@@ -4,17 +4,19 @@ seat lives, outcomes, announcements, and admit() with every kind of joiner."""
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist
 
 from inprocess.control import joining, seats
 from inprocess.control.joining import Announcement, JoinKeys, Outcome
-from inprocess.control.membership import TERMINATED, Membership
+from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from inprocess.control.protocol import RestartProtocol
 from inprocess.control.records import Decision
 from inprocess.exception import InternalError
+from inprocess.rank_assignment import ActivateAllRanks, Compose, MaxActiveWorldSize, ShiftRanks, initial_membership
+from inprocess.rank_assignment.decision import decide
 
 CONFIG = {"function": "train.main", "initial_world_size": "4", "soft_timeout": "0:01:00"}
 
@@ -106,11 +108,18 @@ def test_the_leader_refuses_admits_and_leaves_waiting_as_each_joiner_deserves(pr
     assert '[2,[["node-b"]]]' in (p.counted.peek(p.job_key("topology")) or b"").decode()
     # A leader that takes the lead over at the same barrier reads the same admission.
     assert admit(p, 2, shrunk([2])) == [(2, 1)]
+    # Every joiner resolved here was told (its told key wakes its wait); "held" and "second" wait on.
+    assert k.wait_outcome("fit", 1.0) == Outcome("admitted", 2, 2, 1)
+    assert k.wait_outcome("unfit", 1.0).kind == "refused"  # type: ignore[union-attr]
+    assert not p.counted.check([k.told_key("held")])
+    # Until barrier 2's decision is out, a leader that takes the lead over looks from line 1 ("held") on.
+    assert k.read_mark()[1] == joining.ResolvedMark(settled=1, looked=1, barrier=2)
     # The next barrier: the admitted one is done with; "held" and "second" still wait.
     after = shrunk([]).with_joined([])
     assert admit(p, 3, after) == []
-    assert k.pending()[0] == 1  # the refused first line is skipped from now on
-    assert [a.token for _, a in k.pending()[1]] == ["held", "fit", "second", "outside"]
+    assert k.read_mark()[1] == joining.ResolvedMark(1, 1, 3)  # the refused first line is skipped from now on
+    assert [a.token for _, a in k.pending(4)[1]] == ["held", "fit", "second", "outside"]
+    assert k.waiting() == 2
 
 
 def test_a_joiner_withdrawn_first_is_not_admitted_and_an_admitted_one_cannot_be_withdrawn(
@@ -123,6 +132,140 @@ def test_a_joiner_withdrawn_first_is_not_admitted_and_an_admitted_one_cannot_be_
     k.announce(Announcement("late", 1, "h", 2, CONFIG))
     assert admit(p, 2, shrunk([1])) == [(1, 1)]
     assert k.resolve("late", Outcome("gone", why="died")) == Outcome("admitted", 2, 1, 1)
+
+
+def lost_seats(p: RestartProtocol, lost: list[int], n: int) -> Membership:
+    """A membership of ``n`` seats in which ``lost`` were counted out at barrier 1 (life 0)."""
+    for r in lost:
+        p.counted.set(p.seat_key(r), seats.counted_out(1, f"m{r}"))
+    return shrunk(lost, n)
+
+
+@pytest.mark.parametrize(("store_kind", "k"), [("tcp", 1), ("tcp", 2), ("tcp", 3), ("tcp", 16), ("hash", 16),
+                                               ("tcp", 200)])
+def test_the_leaders_admission_of_k_joiners_costs_2k_plus_8_calls_and_the_next_leader_2(
+        store_kind: str, k: int) -> None:
+    """The lines and the mark, one check and one multi_get of the k records and seats, the k outcomes'
+    compare_sets (pipelined over a connection of their own from 3 on: one call to open it), the told
+    values (one multi_set), the resolved counter, the k seats' compare_sets, the mark. A store that is
+    no TCPStore (here a HashStore) sends the compare_sets one after another: one call less. Past 256
+    keys, one check and multi_get more per 256 (200 joiners: 400 records and seats, 2k + 10)."""
+    n = 1024
+    store = (dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10)) if store_kind == "tcp"
+             else dist.HashStore())
+    p = RestartProtocol(store, 0, initial_world_size=n)
+    keys = keys_of(p)
+    lost = list(range(1, 4 * k, 4))
+    previous = lost_seats(p, lost, n)
+    for r in lost:
+        keys.announce(Announcement(f"j{r}", r, "h", r, CONFIG))
+    calls = p.ops
+    joined = joining.admit(keys, 2, previous, CONFIG, seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+    pipelined = store_kind == "tcp" and k >= joining.PIPELINE_FROM
+    assert joined == [(r, 1) for r in lost]
+    reads = 2 * -(-2 * k // joining.KEYS_PER_REQUEST)  # a check and a multi_get per 256 records and seats
+    assert p.ops - calls == 2 + reads + (1 if pipelined else 0) + k + 1 + 1 + k + 1
+    assert p.ops - calls == (2 * k + 8 - (0 if pipelined else 1) if k <= 128 else 2 * k + 10)
+    assert [p.read_seat(r) for r in lost] == ["2@1"] * k
+    assert [keys.wait_outcome(f"j{r}", 1.0) for r in lost] == [Outcome("admitted", 2, r, 1) for r in lost]
+    assert keys.waiting() == 0
+    calls = p.ops
+    assert joining.admit(keys, 3, previous.with_joined(joined), CONFIG, seat_key=p.seat_key,
+                         publish_keys=p.publish_local_keys) == []
+    assert p.ops - calls == 2
+
+
+class WithdrawnMeanwhile:
+    """The leader's store, on which one joiner's monitor withdraws it (on a connection of its own)
+    after the leader read every record pending and before the leader's compare_sets go out."""
+
+    def __init__(self, counted: Any, withdraw: Any):
+        self._counted = counted
+        self._withdraw = withdraw
+        self.withdrawn: Optional[Outcome] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._counted, name)
+
+    def compare_set_many(self, items: list[tuple[str, str, str]], pipe: Any = None) -> list[bytes]:
+        if self.withdrawn is None:
+            self.withdrawn = self._withdraw()
+        return list(self._counted.compare_set_many(items, pipe))
+
+
+def test_a_joiner_withdrawn_while_the_leaders_batched_admission_runs_is_not_admitted_and_its_seat_stays_free(
+        protocol: RestartProtocol) -> None:
+    p = protocol
+    k = keys_of(p)
+    previous = lost_seats(p, [1, 2, 3], 4)
+    for token, seat in [("a", 1), ("b", 2), ("c", 3), ("d", 2)]:
+        k.announce(Announcement(token, seat, "h", 1, CONFIG))
+    monitor = RestartProtocol(dist.TCPStore("127.0.0.1", p.counted.raw.port, 1, False,
+                                            datetime.timedelta(seconds=10)), 0)
+    racing = WithdrawnMeanwhile(p.counted, lambda: keys_of(monitor).resolve("b", Outcome("gone", why="died")))
+    joined = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
+                           publish_keys=p.publish_local_keys)
+    # The withdrawal came first: b is gone, its seat was not moved, and d, which asked for the same
+    # seat after b, waits for the next barrier. a and c are admitted.
+    assert racing.withdrawn == Outcome("gone", why="died")
+    assert joined == [(1, 1), (3, 1)]
+    assert k.read_outcome("b") == Outcome("gone", why="died") and k.read_outcome("d") is None
+    assert p.read_seat(2) == seats.counted_out(1, "m2") and p.read_seat(1) == p.read_seat(3) == "2@1"
+    assert not p.counted.check([k.told_key("b")])  # nobody waits for a withdrawn joiner: it is not told
+    assert k.waiting() == 1
+    # A withdrawal after the batched admission finds it: the monitor counts that joiner out instead.
+    assert keys_of(monitor).resolve("c", Outcome("gone", why="died")) == Outcome("admitted", 2, 3, 1)
+    # The next barrier gives b's seat to d.
+    assert admit(p, 3, previous.with_joined(joined)) == [(2, 1)]
+    assert k.read_outcome("d") == Outcome("admitted", 3, 2, 1) and p.read_seat(2) == "3@1"
+
+
+def test_a_leader_that_takes_the_lead_over_lists_moves_and_tells_an_admission_its_predecessor_wrote(
+        protocol: RestartProtocol) -> None:
+    """The leader of barrier 2 wrote an admission and was lost before it moved the seat or told the
+    joiner. The joiner's wait still ends (it reads its record when a wait runs out); the leader that
+    takes the lead over lists the admission, moves the seat and tells the joiner."""
+    p = protocol
+    k = keys_of(p)
+    previous = lost_seats(p, [1], 4)
+    k.announce(Announcement("j", 1, "h", 1, CONFIG))
+    admission = Outcome("admitted", 2, 1, 1)
+    assert p.counted.compare_set(k.joiner_key("j"), joining.PENDING, admission.encode()).decode() == admission.encode()
+    assert k.wait_outcome("j", 0.2) == admission  # not told: found in its record once the wait ran out
+    assert admit(p, 2, previous) == [(1, 1)]
+    assert p.read_seat(1) == "2@1"
+    assert p.counted.peek(k.told_key("j")) == admission.encode().encode()
+
+
+def test_a_joiner_that_died_before_its_record_is_resolved_and_a_line_without_a_record_is_skipped(
+        protocol: RestartProtocol) -> None:
+    p = protocol
+    k = keys_of(p)
+    previous = lost_seats(p, [1, 2], 4)
+    # Its monitor withdraws it before its record exists: the withdrawal becomes its record, and its
+    # announcement, still on its way, is resolved already when a leader reads it.
+    assert k.resolve("dead", Outcome("gone", why="died")) == Outcome("gone", why="died")
+    with pytest.raises(InternalError, match="before it announced"):
+        k.announce(Announcement("dead", 1, "h", 1, CONFIG))
+    p.counted.append(k.lines_key, Announcement("dead", 1, "h", 1, CONFIG).to_json() + "\n")
+    # A line without a record (no joiner of this protocol writes one): skipped, with a warning.
+    p.counted.append(k.lines_key, Announcement("norecord", 2, "h", 2, CONFIG).to_json() + "\n")
+    k.announce(Announcement("fit", 1, "h", 3, CONFIG))
+    assert admit(p, 2, previous) == [(1, 1)]
+    assert k.read_outcome("dead") == Outcome("gone", why="died") and p.read_seat(2) == seats.counted_out(1, "m2")
+    assert k.read_mark()[1] == joining.ResolvedMark(2, 3, 2)  # "fit" (line 2) is looked at again by a takeover
+
+
+@pytest.mark.parametrize("value", ["", "3", "1:2", "a:b:c", "3:2:1", "-1:2:3"])
+def test_a_resolved_mark_the_protocol_never_writes_is_an_internal_error(value: str) -> None:
+    with pytest.raises(InternalError, match="joiners.resolved"):
+        joining.ResolvedMark.parse(value)
+
+
+def test_a_resolved_mark_starts_a_later_barrier_past_the_admitted_lines() -> None:
+    mark = joining.ResolvedMark.parse("2:5:7")
+    assert mark == joining.ResolvedMark(2, 5, 7) and mark.encode() == "2:5:7"
+    assert mark.start(7) == 2 and mark.start(8) == 5
 
 
 def test_the_next_life_follows_the_seats_last_one(protocol: RestartProtocol) -> None:
@@ -153,7 +296,37 @@ def test_a_decision_carries_its_joiners_only_when_it_has_some() -> None:
     joined = Decision(2, m.with_joined([(1, 2)]), [], [], 0, 0, joined=[(1, 2)])
     again = Decision.from_json(joined.to_json().encode())
     assert again.joined == [(1, 2)]
-    with_spare = m.with_joined([(1, 2)])
-    assert with_spare.mode[1] != TERMINATED and with_spare.rank[1] == 3  # ranked after every rank in the job
     with pytest.raises(InternalError, match="admitted as a joiner"):
         Membership.all_active(4).with_joined([(1, 1)])
+
+
+def test_a_joiner_is_ranked_where_its_seat_stands_and_the_ranks_after_it_move_up() -> None:
+    m = Membership.all_active(8)
+    m.terminate([2, 5])
+    for new, r in enumerate(m.alive()):  # as ShiftRanks leaves them: 0 1 3 4 6 7 -> 0..5
+        m.rank[r] = m.active_rank[r] = new
+    spare = m.with_joined([(5, 1)])
+    assert spare.mode[5] == INACTIVE and spare.active_rank[5] == NONE
+    assert spare.rank == [0, 1, NONE, 2, 3, 4, 5, 6]  # before seat 6, the first rank above it; 6 and 7 move up
+    assert spare.active_rank == [0, 1, NONE, 2, 3, NONE, 4, 5]  # the activation step (ActivateAllRanks) sets these
+    spare.validate()  # one rank each, 0..6
+    # In a job whose ranks are out of seat order (seats 0, 3, 1 by rank), before the first rank above its seat.
+    out_of_order = Membership([ACTIVE, ACTIVE, TERMINATED, ACTIVE], [0, 2, NONE, 1], [0, 2, NONE, 1])
+    assert out_of_order.with_joined([(2, 1)]).rank == [0, 3, 1, 2]  # seats 0, 2, 3, 1 by rank
+    # Past every rank: last.
+    assert shrunk([3]).with_joined([(3, 1)]).rank == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("assignment", [
+    Compose(ActivateAllRanks(), ShiftRanks()),
+    Compose(MaxActiveWorldSize(6), ActivateAllRanks(), ShiftRanks()),
+], ids=["all active", "6 active, 2 spares"])
+def test_a_job_grown_back_is_numbered_and_encoded_as_before_its_loss(assignment: Any) -> None:
+    n = 8
+    first = decide(assignment, initial_membership(n), set(), [], 0, 0)
+    assert len(first.membership.encode()) <= 2  # the active ranks, then the spares
+    lost = decide(assignment, first.membership, {2, 3}, [], 1, 0)
+    assert lost.membership.world_size == n - 2 and len(lost.membership.encode()) > len(first.membership.encode())
+    back = decide(assignment, lost.membership.with_joined([(2, 1), (3, 1)]), set(), [], 2, 0)
+    assert back.membership == first.membership
+    assert back.membership.encode() == first.membership.encode()

@@ -29,10 +29,12 @@ from inprocess.control.tcpstore_client import (
     MAX_KEY_BYTES,
     MAX_KEYS_PER_REQUEST,
     MAX_VALUE_BYTES,
+    PIPELINE_BATCH,
     StoreConnectionError,
     StoreTimeoutError,
     TCPStoreClient,
 )
+from inprocess.control.tcpstore_wire import Value
 
 HOST = "127.0.0.1"
 # Generous: torch's server resolves the name of every client it accepts in its
@@ -238,6 +240,30 @@ def test_compare_set_matches_torch(ours: TCPStoreClient, theirs: dist.TCPStore) 
     assert ours.compare_set("event", "", "restart") == b"restart"
     assert theirs.compare_set("event", "", "complete") == b"restart"
     assert ours.compare_set("event", "", "complete") == b"restart"
+
+
+@pytest.mark.timeout(60)
+def test_compare_set_many_answers_as_the_same_compare_sets_one_after_another(
+        ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
+    """Pipelined (PIPELINE_BATCH per round trip), in order: each item sees the items before it,
+    and what another client wrote first wins, as for compare_set one by one."""
+    n = 2 * PIPELINE_BATCH + 7  # three batches, the last one short
+    for i in range(0, n, 3):
+        theirs.set(f"m/{i}", "pending")
+    theirs.set("m/1", "gone")  # another client resolved this one first
+    _flush(theirs)  # set has no reply: served before our requests only once a later call was answered
+    items: list[tuple[str, Value, Value]] = [(f"m/{i}", "pending", f"admitted:{i}") for i in range(n)]
+    items.append(("m/0", "pending", "again"))  # after its own item: it finds that item's write
+    items.append(("m/2", "", "created"))  # a missing key with an empty expected value is created
+    answers = ours.compare_set_many(items)
+    assert len(answers) == n + 2
+    for i in range(n):
+        expected = f"admitted:{i}" if i % 3 == 0 else ("gone" if i == 1 else "pending")
+        assert answers[i] == expected.encode(), i
+    assert answers[n] == b"admitted:0" and answers[n + 1] == b"created"
+    assert theirs.get("m/3") == b"admitted:3" and theirs.get("m/1") == b"gone" and not theirs.check(["m/4"])
+    assert ours.compare_set_many([]) == []
+    assert ours.get("m/2") == b"created"  # the connection is in step after the batches
 
 
 @pytest.mark.timeout(60)

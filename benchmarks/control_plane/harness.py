@@ -261,10 +261,10 @@ class Session:
         rows = plan.rows(j) if cfg.joiners else None
         r = restart_figures(n, j, faulty, cfg, done, rpn, rows, plan.admitted_in(j))
         r["phase"] = plan.phase(j)
-        admit = [d["admit_ns"] for d in done if d.get("admit_ns") is not None]
+        admit = [(d["admit_ns"], d["admit_calls"]) for d in done if d.get("admit_ns") is not None]
         t0 = next(d["reporter"][0] for d in done if d["reporter"] is not None)
         r.update(joiner_figures(j, t0, plan.admitted_in(j), done, set(r["decisions"]),
-                                admit[0] / 1e6 if admit else None, rows))
+                                admit[0][0] / 1e6 if admit else None, rows, admit[0][1] if admit else None))
         r["steady_requests_per_s"] = (s1 - s0) / cfg.steady_s if cfg.steady_s > 0 else 0.0
         r["steady_server_cpu_pct"] = 100.0 * (cpu_b - cpu_a) / cfg.steady_s if cfg.steady_s > 0 else 0.0
         r["server_cpu_ms"] = 1e3 * (cpu_c - cpu_fault)

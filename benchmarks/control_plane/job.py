@@ -72,6 +72,7 @@ class SimJob:
                              cfg.get("joiner_layout", "nodes"))
         self.joiners: dict[int, SimJoiners] = {}  # restart -> this process's joiners admitted in it
         self.admit_ns: dict[int, int] = {}  # restart -> the leader's joining.admit, when it led here
+        self.admit_calls: dict[int, int] = {}  # restart -> the store calls of that admit
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
         self.memberships: dict[int, Membership] = {0: Membership.all_active(self.n)}
         self.world_size: dict[int, int] = {0: self.n}
@@ -161,10 +162,11 @@ class SimJob:
         def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
             # As CallWrapper._decide: the pending joiners are admitted into free seats before the assignment.
             p = self.sims[leader].main
-            t = time.monotonic_ns()
+            t, calls = time.monotonic_ns(), p.ops
             joined = joining.admit(joining.JoinKeys(p.counted, p.call, p.incarnation), i + 1, previous, JOB_CONFIG,
                                    seat_key=p.seat_key, publish_keys=p.publish_local_keys)
             self.admit_ns[i] = time.monotonic_ns() - t
+            self.admit_calls[i] = p.ops - calls
             decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,
                               i + 1, leader)
             decision.joined = joined
@@ -375,7 +377,7 @@ class SimJob:
         decoding = decode_us(raw) if raw is not None else 0.0
         return {"done": j, "records": self.records.pop(j, []), "nodes": self.node_records.pop(j, []),
                 "reporter": self.reporters.get(j), "decode_us": decoding, "joiners": self._joined(j),
-                "admit_ns": self.admit_ns.pop(j, None)}
+                "admit_ns": self.admit_ns.pop(j, None), "admit_calls": self.admit_calls.pop(j, None)}
 
     def complete(self, iteration: int) -> None:
         """End the job's last iteration: every trigger wait returns "complete"."""

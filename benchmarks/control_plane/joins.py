@@ -7,17 +7,17 @@ With K joiners a job's restarts go in threes (cycle c = restart // 3):
   so that their seats are free in the membership the next restart starts from.
   Layout ``nodes`` (the default): whole nodes of 8 consecutive ranks, as when
   nodes fail and their replacements' processes join; ``spread``: single
-  ranks 16384/K apart, the worst case for the decision's size (every lost
-  seat, and every joiner ranked last, is a run of its own in the encoded
-  membership);
+  ranks 16384/K apart, the worst case for the decision's size while the
+  seats are empty (every lost seat is a run of its own in the encoded
+  membership, until its joiner is back in its place);
 * restart 3c+1, **admit**: K simulated joiners, one per free seat, announce
   themselves as the restart begins (the real :class:`JoinKeys` calls of
   ``inprocess/engine/join.py``: a read of the seat, a read of ``running``,
-  the append of the announcement, a second read of ``running``) and wait for
+  the record and the announcement, a second read of ``running``) and wait for
   their outcome (``JoinKeys.wait_outcome``, then the admitting barrier's
   decision); the barrier's leader runs the real ``joining.admit`` and applies
-  ``Membership.with_joined`` before the rank assignment, as
-  ``CallWrapper._decide`` does. From the next iteration on each admitted
+  ``Membership.with_joined`` (each joiner ranked where its seat stands)
+  before the rank assignment, as ``CallWrapper._decide`` does. From the next iteration on each admitted
   process is the simulated rank of its seat again, in its seat's next life;
 * restart 3c+2, **plain**: one fault, no joiner: the baseline, in the same job
   at about the same world size.
@@ -112,12 +112,18 @@ class JoinPlan:
 
     def rows(self, j: int) -> list[tuple[int, int, int]]:
         """(mode, rank, active_rank) of every seat after restart j, as ActivateAllRanks + ShiftRanks give
-        them: the dead leave, the admitted come in after every rank still in the job (in seat order),
-        relative order kept."""
+        them: the dead leave, each admitted joiner comes in where its seat stands (before the first rank,
+        in rank order, whose seat is above it: Membership.with_joined), relative order kept."""
         order = list(range(self.n))
         for i in range(j + 1):
             dead = {self.faulty[i], *self.lost_in(i)}
-            order = [r for r in order if r not in dead] + self.admitted_in(i)
+            joined = sorted(self.admitted_in(i))
+            merged: list[int] = []
+            for r in order:
+                while joined and joined[0] < r:
+                    merged.append(joined.pop(0))
+                merged.append(r)
+            order = [r for r in merged + joined if r not in dead]
         rows = [(TERMINATED, -1, -1)] * self.n
         for new, r in enumerate(order):
             rows[r] = (ACTIVE, new, new)

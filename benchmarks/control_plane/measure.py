@@ -162,7 +162,8 @@ def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: lis
 
 
 def joiner_figures(j: int, t0: int, admitted: list[int], done: list[dict[str, Any]], digests: set[str],
-                   admit_ms: Optional[float], rows: Optional[list[tuple[int, int, int]]]) -> dict[str, Any]:
+                   admit_ms: Optional[float], rows: Optional[list[tuple[int, int, int]]],
+                   admit_calls: Optional[int] = None) -> dict[str, Any]:
     """Restart j admitted ``admitted``: every joiner got its admission at barrier j+1 and read the
     ranks' decision, holding its expected row in it."""
     joiners = sorted((rec for d in done for rec in d["joiners"]), key=lambda rec: rec[0])
@@ -174,7 +175,7 @@ def joiner_figures(j: int, t0: int, admitted: list[int], done: list[dict[str, An
     if bad:
         raise RuntimeError(f"restart {j}: joiners of seats {bad[:5]} hold another barrier, decision or row")
     if not joiners:
-        return {"joiners": 0, "admit_ms": admit_ms}
+        return {"joiners": 0, "admit_ms": admit_ms, "admit_calls": admit_calls}
     admitted_ms = [(rec[2] - t0) / 1e6 for rec in joiners]
     decided_ms = [(rec[3] - t0) / 1e6 for rec in joiners]
     ops = [rec[6] for rec in joiners]
@@ -185,6 +186,7 @@ def joiner_figures(j: int, t0: int, admitted: list[int], done: list[dict[str, An
         "joiner_ops_median": statistics.median(ops),
         "joiner_ops_max": max(ops),
         "admit_ms": admit_ms,
+        "admit_calls": admit_calls,
     }
 
 
@@ -213,6 +215,8 @@ def phase_figures(restarts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "decision_bytes": max(r["decision_bytes"] for r in rs),
             "admit_ms": statistics.median(r["admit_ms"] for r in rs if r.get("admit_ms") is not None)
             if any(r.get("admit_ms") is not None for r in rs) else None,
+            "admit_calls": statistics.median(r["admit_calls"] for r in rs if r.get("admit_calls") is not None)
+            if any(r.get("admit_calls") is not None for r in rs) else None,
         }
         if phase == "admit":
             f["joiners"] = rs[0]["joiners"]

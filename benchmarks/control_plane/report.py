@@ -164,7 +164,7 @@ def join_table(results: list[dict[str, Any]]) -> str:
     """One row per mode, N and kind of restart (lose, admit, plain)."""
     head = ["mode", "N", "restarts", "kind", "median ms p50", "median ms worst", "max ms p50", "max ms worst",
             "ops/rank", "ops/rank max", "ops leader", "requests/rank", "server CPU ms", "decision B", "admit ms",
-            "joiners", "joiner admitted ms", "joiner decided max ms", "joiner ops"]
+            "admit calls", "joiners", "joiner admitted ms", "joiner decided max ms", "joiner ops"]
     rows = [head]
     for r in results:
         phases = r.get("phases")
@@ -186,7 +186,7 @@ def join_table(results: list[dict[str, Any]]) -> str:
                          g("median_ms_worst", "{:.0f}"), g("max_ms_p50", "{:.0f}"), g("max_ms_worst", "{:.0f}"),
                          g("ops_per_rank_median", "{:g}"), g("ops_per_rank_max", "{:g}"), g("ops_leader", "{:g}"),
                          g("requests_per_rank", "{:.2f}"), g("server_cpu_ms", "{:.0f}"),
-                         g("decision_bytes", "{:.0f}"), g("admit_ms", "{:.1f}"),
+                         g("decision_bytes", "{:.0f}"), g("admit_ms", "{:.1f}"), g("admit_calls", "{:g}"),
                          g("joiners", "{:d}"), g("joiner_admitted_median_ms", "{:.0f}"),
                          g("joiner_decided_max_ms", "{:.0f}"), g("joiner_ops_median", "{:g}")])
     widths = [max(len(row[k]) for row in rows) for k in range(len(head))]

@@ -143,6 +143,17 @@ class SharedStore:
     def timeout(self) -> datetime.timedelta:
         return self._timeout
 
+    # The server's address, as torch's TCPStore has them: the admission of joiners opens a connection of
+    # its own there for its pipelined compare_sets (CountingStore.open_pipe), as a real leader does; its
+    # bytes are not tallied here.
+    @property
+    def host(self) -> str:
+        return str(self._op.host)
+
+    @property
+    def port(self) -> int:
+        return int(self._op.port)
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout if self._cap is None else min(timeout, self._cap)  # client-side: no request
 
@@ -188,6 +199,18 @@ class SharedStore:
         if out == d:  # the leader published the decision (compare_set: the first writer wins)
             self._saw(key, out)
         return out
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        raw = [bytes(v) for v in self._conns()[0].multi_get(keys)]
+        t = self._t
+        t.out += 2 * (1 + 8 + sum(key_bytes(k) for k in keys))  # WAIT (the keys exist), then MULTI_GET
+        t.inb += 1 + sum(8 + len(v) for v in raw)
+        return raw
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        vs = [as_bytes(v) for v in values]
+        self._t.out += 1 + 8 + sum(key_bytes(k) + 8 + len(v) for k, v in zip(keys, vs, strict=True))
+        self._conns()[0].multi_set(keys, vs)
 
     def check(self, keys: list[str]) -> bool:
         t = self._t

@@ -12,28 +12,33 @@ waits, monitored, on a key of its own until a leader resolves it:
                          joiner of another incarnation is told so at once;
                          ``ended:<incarnation>`` once that job ended
 ``joiners``              announcements, JSON lines, appended by joiners
-``joiners.resolved``     how many leading lines need no look any more
-``joiner/<token>``       the joiner's outcome, written once (compare_set on
-                         ""): ``admitted:<b>:<seat>:<life>``,
-                         ``refused:<why>``, ``gone:<why>`` (the joiner or its
-                         monitor withdrew it) or ``closed:<why>`` (the job
-                         ended)
+``joiners.resolved``     ``settled:looked:barrier`` (:class:`ResolvedMark`):
+                         which leading lines need no look any more
+``joiner/<token>``       the joiner's record: ``pending`` from before its
+                         announcement on, then its outcome, written once
+                         (compare_set on ``pending``: the first writer wins):
+                         ``admitted:<b>:<seat>:<life>``, ``refused:<why>``,
+                         ``gone:<why>`` (the joiner or its monitor withdrew
+                         it) or ``closed:<why>`` (the job ended)
+``joiner/<token>/told``  the outcome again, for the waiting joiner: written
+                         by whoever resolved it on its behalf (a leader, the
+                         job's end), with one ``multi_set`` for all of them
 =======================  ====================================================
 
 **Admission.** The leader of every restart barrier b > 0 reads the
-announcements it has not seen resolved (one ``get`` of the lines, one
-``compare_set`` per pending joiner) before it runs the rank assignment. A
+announcements it has not seen resolved before it runs the rank assignment. A
 joiner whose configuration differs from the leader's is refused with the
 difference named. A joiner asks for one seat (its ``RANK``); the seat is free
 when its process was terminated in the previous membership. The leader
 writes the admission (the first writer wins against the joiner's monitor
 withdrawing it), then moves the seat to ``b@<life+1>`` (:mod:`.seats`), and the
 decision lists the admitted ``(seat, life)`` pairs. Every rank applies them
-to the previous membership as spares (inactive rows, ranked after every rank
-still in the job) before the decision's table: the rank assignment placed
-them like any spare, as active ranks or spares, by their topology keys,
-which the leader published for their seats. A joiner whose seat is held by a
-running process waits until it is free.
+to the previous membership as spares (inactive rows, each ranked where its
+seat stands among the ranks still in the job: :meth:`Membership.with_joined`)
+before the decision's table: the rank assignment placed them like any spare,
+as active ranks or spares, by their topology keys, which the leader published
+for their seats. A joiner whose seat is held by a running process waits until
+it is free.
 
 A waiting joiner is a spare in all but name: it costs the running ranks
 nothing, and the next restart's decision places it before the rank
@@ -45,15 +50,24 @@ is written in it) and lists it too.
 (``closed:...``), and it returns from the wrapped call like a spare. A store
 that goes away ends its wait too.
 
-Cost: a joiner makes about seven store calls (its seat's read, its
+**Cost.** A joiner makes eight store calls (its seat's read, its record, its
 announcement and counter, ``running`` twice, one blocking wait, the read of
-its decision). The leader reads the lines and the resolved mark per barrier,
-then makes about seven sequential calls per admitted joiner (its outcome's
-check and compare_set with the wake-up append and the resolved counter, the
-seat's reads and compare_set) and two per admitted line at the next barrier:
-72 ms for 256 joiners on an idle store
-(``benchmarks/README.md``, "Joins"). No other rank does anything. This module
-imports no torch.
+its decision). The leader of a barrier with K joiners to look at makes a
+constant number of round trips, not K: the lines and the mark (2 calls), one
+``check`` and one ``multi_get`` of every record and every seat asked for,
+the K outcomes' compare_sets pipelined (one round trip, over a connection of
+its own to the store server opened for them: 1 call), the ``told`` values
+(one ``multi_set``) and the resolved counter, the admitted seats'
+compare_sets pipelined, the mark: 2K + 8 calls in about 8 round trips (K <
+3: one after another, no extra connection). Requests carry at most 256 keys
+or compare_sets (:data:`KEYS_PER_REQUEST`): beyond 128 joiners, one more
+round trip per 256 (256 joiners: 2K + 10 calls). The next barrier's leader reads
+the lines and the mark only (2 calls): the mark tells it which lines were
+admitted at the barrier before. No other rank does anything. The extra
+connection is opened inside the restart: a server that looks up the name of
+every client it accepts (torch's, in a process that did not call
+:func:`~inprocess.control.host_names.numeric_host_names`, e.g. torchrun's
+agent store) makes that lookup then. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -80,6 +94,7 @@ REFUSED = "refused"
 GONE = "gone"
 CLOSED = "closed"
 _OUTCOMES = (ADMITTED, REFUSED, GONE, CLOSED)
+PENDING = "pending"  # a joiner's record from its announcement until somebody resolves it
 ENDED = "ended:"  # the value of ``running`` once the job ended: "ended:<incarnation>"
 
 
@@ -151,8 +166,8 @@ class Outcome:
 
     @classmethod
     def parse(cls, value: str) -> Optional["Outcome"]:
-        """None for a pending joiner (empty value)."""
-        if not value:
+        """None for a pending joiner (:data:`PENDING`)."""
+        if value == PENDING:
             return None
         kind, _, rest = value.partition(":")
         if kind not in _OUTCOMES:
@@ -175,6 +190,47 @@ def config_difference(job: dict[str, str], joiner: dict[str, str]) -> Optional[s
     return None
 
 
+# Keys per check, multi_get and multi_set. torch 2.13's libuv server takes time that grows faster
+# than the size of one request (measured here, one client, load 9: a multi_set of 4,096 keys and
+# an add ~0.5 s, the same keys in requests of 256 ~50 ms; a multi_get of 4,096 keys ~0.5 s, in
+# requests of 256 ~20-110 ms): requests stay at this size, as the compare_set batches do.
+KEYS_PER_REQUEST = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMark:
+    """How far the announcements need no look any more (``joiners.resolved``: ``settled:looked:barrier``).
+
+    Lines before ``settled`` are resolved for good. Lines before ``looked``
+    are too once the decision of ``barrier`` is out: the ones in between are
+    admitted at ``barrier`` (or resolved for good), and a leader that takes
+    the lead of ``barrier`` over must list those admissions again. A leader
+    of a later barrier knows that decision is out, so it starts at
+    ``looked`` without reading them.
+    """
+
+    settled: int = 0
+    looked: int = 0
+    barrier: int = -1
+
+    def start(self, barrier: int) -> int:
+        """The first line a leader of ``barrier`` looks at."""
+        return self.looked if barrier > self.barrier else self.settled
+
+    def encode(self) -> str:
+        return f"{self.settled}:{self.looked}:{self.barrier}"
+
+    @classmethod
+    def parse(cls, value: str) -> "ResolvedMark":
+        try:
+            settled, looked, barrier = (int(v) for v in value.split(":"))
+        except ValueError:
+            raise InternalError(f"joiners.resolved {value[:80]!r}: expected <settled>:<looked>:<barrier>") from None
+        if not 0 <= settled <= looked:
+            raise InternalError(f"joiners.resolved {value[:80]!r}: expected 0 <= settled <= looked")
+        return cls(settled, looked, barrier)
+
+
 class JoinKeys:
     """The join keys of one call (see the module docstring)."""
 
@@ -187,6 +243,9 @@ class JoinKeys:
     def joiner_key(self, token: str) -> str:
         return f"{self.prefix}joiner/{token}"
 
+    def told_key(self, token: str) -> str:
+        return f"{self.prefix}joiner/{token}/told"
+
     @property
     def lines_key(self) -> str:
         return f"{self.prefix}joiners"
@@ -194,6 +253,10 @@ class JoinKeys:
     @property
     def resolved_key(self) -> str:
         return f"{self.prefix}joiners.resolved"
+
+    @property
+    def resolved_count_key(self) -> str:
+        return f"{self.prefix}joiners.resolved_count"
 
     # -- the job ------------------------------------------------------------------
 
@@ -218,80 +281,184 @@ class JoinKeys:
     # -- a joiner -----------------------------------------------------------------
 
     def announce(self, announcement: Announcement) -> None:
+        """The joiner's record first (pending), then its line: a leader that reads the line finds the record."""
+        key = self.joiner_key(announcement.token)
+        held = self.counted.compare_set(key, "", PENDING).decode()
+        if held != PENDING:
+            raise InternalError(f"joiner {announcement.token}: its record holds {held[:120]!r} before it announced")
         self.counted.append(self.lines_key, announcement.to_json() + "\n")
         self.counted.add(f"{self.prefix}joiners.announced", 1)
 
     def waiting(self) -> int:
         """Joiners announced and not resolved yet: two counter reads (a grow's look, engine/grow.py)."""
         announced = self.counted.add(f"{self.prefix}joiners.announced", 0)
-        return announced - self.counted.add(f"{self.prefix}joiners.resolved_count", 0)
+        # Never below 0: a joiner that died between its record and its counter was resolved, not counted.
+        return max(0, announced - self.counted.add(self.resolved_count_key, 0))
 
     def resolve(self, token: str, outcome: Outcome) -> Outcome:
-        """Write ``outcome`` unless the joiner was resolved already; returns the outcome that holds."""
-        key = self.joiner_key(token)
-        value = self.counted.compare_set(key, "", outcome.encode()).decode()
-        if value == outcome.encode():
-            # torch 2.13's legacy server wakes no waiter on compare_set; an empty append wakes them.
-            self.counted.append(key, "")
-            self.counted.add(f"{self.prefix}joiners.resolved_count", 1)
+        """Write ``outcome`` unless the joiner was resolved already; returns the outcome that holds.
+
+        For a joiner withdrawn by itself or by its monitor (its process is
+        gone): nobody is told. A joiner with no record yet (it died before it
+        announced) gets ``outcome`` as its record, so that an announcement
+        still on its way is resolved already when a leader reads it.
+        """
+        key, desired = self.joiner_key(token), outcome.encode()
+        value = self.counted.compare_set(key, PENDING, desired).decode()
+        if value == desired:
+            self.counted.add(self.resolved_count_key, 1)
+        elif value == PENDING:  # no record: a compare_set on a missing key returns what it expected
+            value = self.counted.compare_set(key, "", desired).decode()
+            if value == PENDING:  # its record was created meanwhile: the joiner's own announcement
+                return self.resolve(token, outcome)
         held = Outcome.parse(value)
         if held is None:
-            raise InternalError(f"joiner {token}: its outcome is still empty after a compare_set")
+            raise InternalError(f"joiner {token}: its record is still pending after a compare_set")
         return held
 
     def read_outcome(self, token: str) -> Optional[Outcome]:
-        """The joiner's outcome, None while it is pending. A ``check`` first: the joiner
-        waits on its key, and a read of a missing key would wake it with nothing."""
-        key = self.joiner_key(token)
-        if not self.counted.check([key]):
-            return None
-        raw = self.counted.peek(key)
+        """The joiner's outcome, None while it is pending (or not announced)."""
+        raw = self.counted.peek(self.joiner_key(token))
         return None if raw is None else Outcome.parse(raw.decode())
 
     def wait_outcome(self, token: str, seconds: float) -> Optional[Outcome]:
-        """The joiner's outcome once written; None when ``seconds`` passed first."""
+        """The joiner's outcome once somebody told it; None when ``seconds`` passed first.
+
+        One blocking ``get`` of the joiner's ``told`` key. When it runs out,
+        one read of its record: an outcome written by a resolver lost before
+        it told the joiner still ends the wait (within one wait).
+        """
         try:
-            raw = self.counted.get_blocking(self.joiner_key(token), seconds, f"joiner {token}'s admission")
+            raw = self.counted.get_blocking(self.told_key(token), seconds, f"joiner {token}'s admission")
         except TimeoutError:
-            return None
+            return self.read_outcome(token)
         outcome = Outcome.parse(raw.decode())
         if outcome is None:
-            raise InternalError(f"joiner {token}: its key exists and is empty")
+            raise InternalError(f"joiner {token}: told that it is still pending")
         return outcome
 
     # -- the leader ---------------------------------------------------------------
 
-    def pending(self) -> tuple[int, list[tuple[int, Announcement]]]:
-        """(lines resolved before, [(line index, announcement)] after them)."""
+    def read_mark(self) -> tuple[str, ResolvedMark]:
+        raw = self.counted.peek(self.resolved_key)
+        if raw is None:
+            return "", ResolvedMark()
+        return raw.decode(), ResolvedMark.parse(raw.decode())
+
+    def pending(self, barrier: Optional[int] = None) -> tuple[int, list[tuple[int, Announcement]], str, ResolvedMark]:
+        """(the number of lines, [(line index, announcement)] a leader of ``barrier`` looks at,
+        the mark's value as read, the mark). ``barrier`` None: every line not resolved for good."""
         raw = (self.counted.peek(self.lines_key) or b"").decode()
         if not raw:
-            return 0, []
-        done_raw = self.counted.peek(self.resolved_key)
-        done = int(done_raw) if done_raw else 0
+            return 0, [], "", ResolvedMark()
+        text, mark = self.read_mark()
+        first = mark.settled if barrier is None else mark.start(barrier)
+        lines = raw.splitlines()
         out = []
-        for index, line in enumerate(raw.splitlines()):
-            if index < done or not line:
+        for index in range(first, len(lines)):
+            line = lines[index]
+            if not line:
                 continue
             try:
                 out.append((index, Announcement.from_json(line)))
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("joiners: line %d cannot be read (%s): %.200s", index, e, line)
-        return done, out
+        return len(lines), out, text, mark
 
-    def mark_resolved(self, lines: int) -> None:
-        self.counted.set(self.resolved_key, str(lines))
+    def mark_resolved(self, read: str, mark: ResolvedMark) -> None:
+        """Move the mark from ``read`` (the value this leader read) to ``mark``; a mark moved
+        meanwhile (by another leader of this barrier) is left as it is."""
+        if mark.encode() != read:
+            self.counted.compare_set(self.resolved_key, read, mark.encode())
+
+    def read_records(self, keys: list[str]) -> list[Optional[str]]:
+        """The values of ``keys`` (None: missing): per :data:`KEYS_PER_REQUEST` keys, one ``check``
+        and one ``multi_get`` when every one exists (the protocol's case); else one read each (a
+        ``multi_get`` would wait for the missing ones)."""
+        out: list[Optional[str]] = []
+        for start in range(0, len(keys), KEYS_PER_REQUEST):
+            chunk = keys[start:start + KEYS_PER_REQUEST]
+            if self.counted.check(chunk):
+                out.extend(v.decode() for v in self.counted.multi_get(chunk))
+            else:
+                out.extend(None if v is None else v.decode() for v in (self.counted.peek(k) for k in chunk))
+        return out
+
+    def resolve_many(self, resolutions: list[tuple[str, Outcome]], pipe: "Pipe") -> list[Outcome]:
+        """Write each (token, outcome) where the joiner is still pending, all at once (first
+        writer wins against a withdrawal, per joiner); tell each joiner resolved here, and count
+        them, in one call each. Returns the outcomes that hold."""
+        if not resolutions:
+            return []
+        items = [(self.joiner_key(token), PENDING, outcome.encode()) for token, outcome in resolutions]
+        values = [v.decode() for v in pipe.compare_set_many(items)]
+        held: list[Outcome] = []
+        told: list[tuple[str, Outcome]] = []
+        for (token, outcome), (_, _, desired), value in zip(resolutions, items, values, strict=True):
+            parsed = Outcome.parse(value)
+            if parsed is None:  # the compare_set found no record: every line's joiner has one
+                raise InternalError(f"joiner {token}: no record under {self.joiner_key(token)}")
+            if value == desired:
+                told.append((token, outcome))
+            held.append(parsed)
+        if told:
+            self.tell(told)
+            self.counted.add(self.resolved_count_key, len(told))
+        return held
+
+    def tell(self, told: list[tuple[str, Outcome]]) -> None:
+        """Wake the joiners that wait for these outcomes: one ``multi_set`` per
+        :data:`KEYS_PER_REQUEST` (it wakes waiters on both of torch 2.13's servers, which a
+        ``compare_set`` does not on the legacy one)."""
+        for start in range(0, len(told), KEYS_PER_REQUEST):
+            chunk = told[start:start + KEYS_PER_REQUEST]
+            self.counted.multi_set([self.told_key(token) for token, _ in chunk], [o.encode() for _, o in chunk])
 
     def close_pending(self, why: str) -> int:
         """Close every pending joiner (the job ended); returns how many were."""
-        closed = 0
         try:
-            _, pending = self.pending()
-            for _, a in pending:
-                if self.resolve(a.token, Outcome(CLOSED, why=why)).kind == CLOSED:
-                    closed += 1
+            _, pending, _, _ = self.pending()
+            closing = Outcome(CLOSED, why=why)
+            with Pipe(self.counted) as pipe:
+                held = self.resolve_many([(a.token, closing) for _, a in pending], pipe)
+            return sum(1 for o in held if o.encode() == closing.encode())
         except Exception as e:  # the job ends either way; a joiner's wait then ends with the store
             log.warning("could not close the waiting joiners: %s: %s", type(e).__name__, e)
-        return closed
+            return 0
+
+
+# compare_sets at least for a connection of their own to pay: opening one is about two round trips.
+PIPELINE_FROM = 3
+
+
+class Pipe:
+    """The compare_sets of one admission: pipelined over a connection of their own to the
+    store's server once there are :data:`PIPELINE_FROM` at once (one round trip per batch
+    instead of one per call), else one after another on the leader's connection (also for
+    a store that is not a TCPStore, or when that connection cannot be opened)."""
+
+    def __init__(self, counted: Any):
+        self.counted = counted
+        self.client: Any = None
+        self._tried = False
+
+    def __enter__(self) -> "Pipe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def compare_set_many(self, items: list[tuple[str, str, str]]) -> list[bytes]:
+        if len(items) >= PIPELINE_FROM and not self._tried:
+            self._tried = True
+            try:
+                self.client = self.counted.open_pipe()
+            except Exception as e:  # a connection the admission does without: its writes go one by one
+                log.warning("joiners: no connection of its own for the admission's writes (%s: %s): "
+                            "one after another", type(e).__name__, e)
+        return list(self.counted.compare_set_many(items, self.client))
 
 
 def admit(
@@ -304,65 +471,96 @@ def admit(
     publishes a joiner's topology keys for its seat. Returns the admitted
     ``(seat, life)`` pairs in seat order, for the decision.
     """
-    done, pending = keys.pending()
+    lines, pending, mark_read, _ = keys.pending(barrier)
     if not pending:
         return []
     n = previous.initial_world_size
     free = {r for r in range(n) if previous.mode[r] == TERMINATED}
-    admitted: dict[int, int] = {}
+    asked = sorted({a.seat for _, a in pending if a.seat in free})
+    # One read of every record and of every free seat asked for.
+    values = keys.read_records([keys.joiner_key(a.token) for _, a in pending] + [seat_key(s) for s in asked])
+    seat_values = dict(zip(asked, values[len(pending):], strict=True))
+    outcomes: list[Optional[Outcome]] = []
+    for (index, a), value in zip(pending, values[:len(pending)], strict=True):
+        if value is None:  # every joiner writes its record before its line
+            log.warning("joiners: line %d (joiner %s) has no record: skipped", index, a.token)
+            outcomes.append(Outcome(GONE, why="no record"))
+        else:
+            outcomes.append(Outcome.parse(value))
+
+    admitted: dict[int, tuple[int, int, Announcement]] = {}  # seat -> (life, line, joiner)
+    for (index, a), outcome in zip(pending, outcomes, strict=True):
+        if outcome is not None and outcome.kind == ADMITTED and outcome.barrier == barrier:
+            admitted[outcome.seat] = (outcome.life, index, a)  # by a leader of this barrier lost before its decision
+    earlier = dict(admitted)
+    taken = set(admitted)
+    writes: list[tuple[int, Announcement, Outcome]] = []
     still_open: list[int] = []  # lines a later barrier must look at again
-    for index, a in pending:
-        outcome = keys.read_outcome(a.token)
-        if outcome is not None and not (outcome.kind == ADMITTED and outcome.barrier == barrier):
-            continue  # resolved for good
-        if outcome is None:
-            outcome = _try_admit(keys, barrier, a, n, free, admitted, job_config, seat_key)
-        if outcome is None:
-            still_open.append(index)
-            continue
-        if outcome.kind == ADMITTED and outcome.barrier == barrier:
-            # Admitted here (or by a leader of this barrier lost before its decision was out).
-            _move_seat(keys, seat_key(outcome.seat), barrier, outcome.life)
-            admitted[outcome.seat] = outcome.life
-            free.discard(outcome.seat)
-            still_open.append(index)  # until this barrier's decision is out, a takeover must see it
-            if a.keys is not None:
-                publish_keys(outcome.seat, a.keys)
-    first_open = min(still_open) if still_open else (pending[-1][0] + 1)
-    if first_open > done:
-        keys.mark_resolved(first_open)
-    return sorted(admitted.items())
+    for (index, a), outcome in zip(pending, outcomes, strict=True):
+        if outcome is not None:
+            continue  # resolved for good, or admitted here already
+        why = config_difference(job_config, a.config)
+        if why is None and not 0 <= a.seat < n:
+            why = f"seat {a.seat} (its RANK) is not a seat of this job: expected 0..{n - 1}"
+        if why is not None:
+            log.warning("joiner %s (%s, pid %d) refused: %s", a.token, a.host, a.pid, why)
+            writes.append((index, a, Outcome(REFUSED, why=why)))
+        elif a.seat not in free or a.seat in taken:
+            still_open.append(index)  # its seat is held: it waits
+        else:
+            raw = seat_values[a.seat]
+            life = seats.parse(raw).life + 1 if raw else 1
+            writes.append((index, a, Outcome(ADMITTED, barrier, a.seat, life)))
+            taken.add(a.seat)
+
+    with Pipe(keys.counted) as pipe:
+        held = keys.resolve_many([(a.token, outcome) for _, a, outcome in writes], pipe)
+        for (index, a, _), outcome in zip(writes, held, strict=True):
+            if outcome.kind == ADMITTED and outcome.barrier == barrier:
+                admitted[outcome.seat] = (outcome.life, index, a)
+            # else resolved for good: refused here, or withdrawn before this leader's write
+        # Admitted by a leader lost before its decision, perhaps before it told them.
+        keys.tell([(a.token, Outcome(ADMITTED, barrier, seat, life)) for seat, (life, _, a) in earlier.items()])
+        _move_seats(keys, pipe, barrier, {seat: life for seat, (life, _, _) in admitted.items()}, seat_key,
+                    seat_values)
+    for seat, (_, _, a) in sorted(admitted.items()):
+        if a.keys is not None:
+            publish_keys(seat, a.keys)
+    # Until this barrier's decision is out, a leader that takes the lead over must see the admitted lines.
+    looked = min(still_open, default=lines)
+    settled = min(still_open + [index for _, index, _ in admitted.values()], default=lines)
+    keys.mark_resolved(mark_read, ResolvedMark(settled, looked, barrier))
+    return sorted((seat, life) for seat, (life, _, _) in admitted.items())
 
 
-def _try_admit(
-    keys: JoinKeys, barrier: int, a: Announcement, n: int, free: set[int], admitted: dict[int, int],
-    job_config: dict[str, str], seat_key: Any,
-) -> Optional[Outcome]:
-    """The outcome this leader writes for a pending joiner; None: it waits (its seat is held)."""
-    why = config_difference(job_config, a.config)
-    if why is None and not 0 <= a.seat < n:
-        why = f"seat {a.seat} (its RANK) is not a seat of this job: expected 0..{n - 1}"
-    if why is not None:
-        log.warning("joiner %s (%s, pid %d) refused: %s", a.token, a.host, a.pid, why)
-        return keys.resolve(a.token, Outcome(REFUSED, why=why))
-    if a.seat not in free or a.seat in admitted:
-        return None
-    raw = keys.counted.peek(seat_key(a.seat))
-    life = seats.parse(raw.decode()).life + 1 if raw else 1
-    return keys.resolve(a.token, Outcome(ADMITTED, barrier, a.seat, life))
+def _move_seats(
+    keys: JoinKeys, pipe: Pipe, barrier: int, lives: dict[int, int], seat_key: Any,
+    seat_values: dict[int, Optional[str]],
+) -> None:
+    """The seats of the admitted joiners: each from its predecessor's "counted out" to ``b@life``.
+
+    compare_sets, not one ``multi_set``: only a leader of this barrier ever
+    writes a counted-out seat (counting out leaves one alone, a rank's own
+    arrival expects its own life's value), but a leader of this barrier
+    that lost the lead and runs late must not move back a seat whose
+    joiner took it at the next barrier; its compare_set fails instead.
+    """
+    moves: list[tuple[str, str, str]] = []
+    for seat, life in sorted(lives.items()):
+        key, desired = seat_key(seat), seats.healthy(barrier, life)
+        current = seat_values[seat] if seat in seat_values else _peek(keys, key)
+        if current == desired:
+            continue  # moved by a leader of this barrier lost before its decision
+        parsed = seats.parse(current) if current else None
+        if parsed is not None and (not parsed.counted_out or parsed.life != life - 1):
+            raise InternalError(f"seat {key} holds {current!r}: not the counted-out seat of life {life - 1} "
+                                f"that a joiner of life {life} replaces")
+        moves.append((key, current or "", desired))
+    for (key, _, desired), value in zip(moves, pipe.compare_set_many(moves), strict=True):
+        if value.decode() != desired:
+            raise InternalError(f"seat {key} moved to {value.decode()!r} while a joiner was admitted into it")
 
 
-def _move_seat(keys: JoinKeys, key: str, barrier: int, life: int) -> None:
-    """The seat of an admitted joiner: from its predecessor's "counted out" to ``b@life``."""
-    desired = seats.healthy(barrier, life)
+def _peek(keys: JoinKeys, key: str) -> Optional[str]:
     raw = keys.counted.peek(key)
-    current = raw.decode() if raw is not None else ""
-    if current == desired:
-        return  # moved by a leader of this barrier lost before its decision
-    parsed = seats.parse(current) if current else None
-    if parsed is not None and (not parsed.counted_out or parsed.life != life - 1):
-        raise InternalError(f"seat {key} holds {current!r}: not the counted-out seat of life {life - 1} "
-                            f"that a joiner of life {life} replaces")
-    value = keys.counted.compare_set(key, current, desired).decode()
-    if value != desired:
-        raise InternalError(f"seat {key} moved to {value!r} while a joiner was admitted into it")
+    return None if raw is None else raw.decode()

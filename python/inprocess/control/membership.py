@@ -76,14 +76,45 @@ class Membership:
 
     def with_joined(self, joined: Iterable[tuple[int, int]]) -> "Membership":
         """A copy in which the seats of ``joined`` ((seat, life) pairs of a decision,
-        :mod:`inprocess.control.joining`) hold spares, ranked after every rank in the job."""
+        :mod:`inprocess.control.joining`) hold spares, each ranked where its seat stands:
+        just before the first rank of the job (in rank order) whose initial rank is above
+        the seat, the ranks from there on one further.
+
+        The joiner takes the place of the process it replaces, so that a job in
+        initial-rank order (``ShiftRanks`` keeps it) that lost ranks and took them
+        back is numbered as before the loss, and its table encodes as compactly.
+        The rank assignment then places the spares as it places any: activating
+        ranks below the active world size, a joiner may be activated where a rank
+        numbered after it becomes a spare.
+        """
         m = self.copy()
-        next_rank = m.world_size
-        for seat, _ in joined:
+        seats = sorted(seat for seat, _ in joined)
+        for seat in seats:
             if m.mode[seat] != TERMINATED:
                 raise InternalError(f"initial rank {seat} was admitted as a joiner but is {Mode(m.mode[seat]).name}")
-            m.mode[seat], m.rank[seat], m.active_rank[seat] = INACTIVE, next_rank, NONE
-            next_rank += 1
+        if not seats:
+            return m
+        by_rank = [NONE] * len(m.mode)  # the ranks in the job by rank, without a sort
+        for r, rk in enumerate(m.rank):
+            if rk != NONE:
+                by_rank[rk] = r
+        new = 0
+        next_seat = 0
+        rank = m.rank
+        for r in by_rank:
+            if r == NONE:
+                continue
+            while next_seat < len(seats) and seats[next_seat] < r:
+                rank[seats[next_seat]] = new
+                next_seat += 1
+                new += 1
+            rank[r] = new
+            new += 1
+        for seat in seats[next_seat:]:
+            rank[seat] = new
+            new += 1
+        for seat in seats:
+            m.mode[seat], m.active_rank[seat] = INACTIVE, NONE
         return m
 
     def deactivate(self, initial_rank: int) -> None:

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union, overload
 
 from ..exception import TimeoutError
+from .tcpstore_client import TCPStoreClient
 
 # Long waits are cut into chunks so that a cancelled waiter notices within one
 # chunk; the fault itself wakes the waiter at once, whatever the chunk. Read at
@@ -175,6 +176,42 @@ class CountingStore:
     def delete_key(self, key: str) -> bool:
         self._count()
         return bool(self.raw.delete_key(key))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, in one call. Only for keys that exist: like ``get``, torch's
+        client waits for a missing one up to the store's timeout (WAIT, then MULTI_GET)."""
+        self._count(2)
+        return [bytes(v) for v in self.raw.multi_get(list(keys))]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        self._count()
+        self.raw.multi_set(list(keys), list(values))
+
+    def open_pipe(self) -> Any:
+        """A connection of its own to this store's server, for :meth:`compare_set_many`; None
+        unless the store is a client of a TCPStore server (torch's ``TCPStore`` or a
+        :class:`~inprocess.control.tcpstore_client.TCPStoreClient`: a ``host`` and a ``port``,
+        keys as they are; a ``PrefixStore`` has neither). One call: its handshake's round trip.
+        The caller closes it."""
+        host, port = getattr(self.raw, "host", None), getattr(self.raw, "port", None)
+        if not isinstance(host, str) or type(port) is not int:
+            return None
+        timeout = getattr(self.raw, "timeout", None) or _td(300.0)
+        self._count()
+        return TCPStoreClient(host, port, timeout=timeout, connect_timeout=timeout, retry_refused=False)
+
+    def compare_set_many(self, items: Sequence[tuple[str, Value, Value]], pipe: Any = None) -> list[bytes]:
+        """``compare_set`` of each (key, expected, desired), in order; one call each.
+
+        ``pipe``: a :class:`~inprocess.control.tcpstore_client.TCPStoreClient`
+        of the same server, which sends them pipelined (one round trip); None:
+        one after another on this connection.
+        """
+        if pipe is None:
+            return [self.compare_set(key, expected, desired) for key, expected, desired in items]
+        self.calls += len(items)
+        self.requests += len(items)
+        return [bytes(v) for v in pipe.compare_set_many(items)]
 
     # -- reads and waits built on them ----------------------------------------
 
