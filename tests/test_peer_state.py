@@ -220,6 +220,26 @@ def test_the_sharded_example_runs_as_documented() -> None:
     assert "done: step 50" in out, out
 
 
+@pytest.mark.parametrize("nodes", [
+    [0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [0, 1, 0, 1, 2, 2], [3, 0, 1, 3, 0, 1, 2, 2],
+    [0, 0, 0, 1, 1, 2],  # uneven nodes, the largest not above half
+])
+def test_every_partner_is_on_another_node_and_every_rank_keeps_one_copy(nodes: list[int]) -> None:
+    from inprocess.peer_state import partners
+
+    ring = partners(nodes)
+    assert sorted(ring) == list(range(len(nodes)))  # a permutation
+    assert all(nodes[r] != nodes[ring[r]] for r in range(len(nodes))), ring
+
+
+def test_on_one_node_partners_are_neighbours() -> None:
+    from inprocess.peer_state import node_key, partners
+
+    assert partners([7, 7, 7, 7]) == [1, 2, 3, 0]
+    assert partners([7, 7, 7, 7], distance=2) == [2, 3, 0, 1]
+    assert node_key()  # GROUP_RANK, SLURM_NODEID or the host name
+
+
 def test_bad_input_is_named() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"every=0.*int >= 1"):

@@ -330,13 +330,32 @@ class ReplicatedState:
 # -- sharded state ---------------------------------------------------------------
 
 
-def partner_distance(world: int, local_world_size: Optional[int]) -> int:
-    """How far ahead a rank's partner sits: the ranks of one node are consecutive
-    (``LOCAL_WORLD_SIZE`` of them), so a partner one node ahead is on another node,
-    and one node's loss never takes a shard and its copy together. 1 on one node."""
-    if local_world_size is None or local_world_size < 1 or local_world_size >= world:
-        return 1
-    return local_world_size
+def node_key() -> str:
+    """This process's node, as the launchers say it: torchrun's and inprocess.launch's
+    ``GROUP_RANK``, else SLURM's ``SLURM_NODEID``, else the host name."""
+    import os
+    import socket
+
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(name, "") != "":
+            return f"{name}={os.environ[name]}"
+    return f"host={socket.gethostname()}"
+
+
+def partners(nodes: List[int], distance: Optional[int] = None) -> List[int]:
+    """The partner of each rank (whose shard it keeps a copy of), from each rank's node.
+
+    Ranks are ordered by node, then rank; each rank's partner is the rank `distance`
+    places ahead in that order (default: the size of the largest node), so that no
+    rank keeps the copy of a rank of its own node while no node holds more than half
+    of the ranks (one node: neighbours). A permutation: every rank keeps one copy."""
+    world = len(nodes)
+    order = sorted(range(world), key=lambda r: (nodes[r], r))
+    if distance is None:
+        largest = max(nodes.count(n) for n in set(nodes))
+        distance = largest if largest < world else 1
+    position = {r: i for i, r in enumerate(order)}
+    return [order[(position[r] + distance) % world] for r in range(world)]
 
 
 class ShardedState:
@@ -351,8 +370,9 @@ class ShardedState:
     thread: the next step may change it) and then, on a thread of its own, sends
     it to the rank that keeps its copy and receives its partner's shard, with a
     CRC-32 so that a torn copy is never used; the next :meth:`commit` waits for
-    that exchange. Partners are ``distance`` ranks apart (default: one node,
-    ``LOCAL_WORLD_SIZE``). :meth:`restore` (a collective, each iteration, before
+    that exchange. A rank's partner is on another node wherever no node holds
+    more than half the ranks (:func:`partners`; nodes by :func:`node_key`), or
+    ``distance`` places ahead in the ranks ordered by node. :meth:`restore` (a collective, each iteration, before
     the first step and before any commit) finds the newest step at which every
     shard is held, by its rank or a copy, and loads each rank's shard, sent to it
     where it lacks it; None when some shard and its copy are both lost, saying
@@ -377,6 +397,7 @@ class ShardedState:
         self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
         self._pending: Optional[threading.Thread] = None
         self._exchange_error: Optional[BaseException] = None
+        self._one_node_said = False
         self.last_restore: Optional[RestoreRecord] = None
 
     @property
@@ -453,9 +474,13 @@ class ShardedState:
         device = _device_of(None)
         table = _held_table(self._own, self._copy, rank, world, device)
         plan = _plan_shards(table, world)
-        distance = self.distance or partner_distance(world, _local_world_size())
+        nodes = _node_ids(rank, world, device)
+        ring = partners(nodes, self.distance)
+        if len(set(nodes)) == 1 and world > 1 and rank == 0 and not self._one_node_said:
+            self._one_node_said = True
+            log.info("peer state: every rank is on one node: a shard's copy is on the same node as the shard")
         self._exchange = dist.new_group(backend="gloo")
-        self._ring = (rank, world, (rank - distance) % world, (rank + distance) % world)
+        self._ring = (rank, world, ring.index(rank), ring[rank])
         if isinstance(plan, str):
             self._own = self._copy = (None, None)
             self.last_restore = RestoreRecord(None, None, (), 0, time.monotonic() - started)
@@ -500,11 +525,14 @@ class ShardedState:
         return step
 
 
-def _local_world_size() -> Optional[int]:
-    import os
+def _node_ids(rank: int, world: int, device: torch.device) -> List[int]:
+    """Every rank's :func:`node_key`, as a number (one all_reduce)."""
+    import torch.distributed as dist
 
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() else None
+    ids = torch.zeros(world, dtype=torch.int64, device=device)
+    ids[rank] = zlib.crc32(node_key().encode())
+    dist.all_reduce(ids)
+    return [int(x) for x in ids.tolist()]
 
 
 def _held(own: Tuple[Optional[Snapshot], Optional[Snapshot]], copy: Tuple[Optional[Snapshot], Optional[Snapshot]],
