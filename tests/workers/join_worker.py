@@ -8,7 +8,10 @@ Configured by environment variables (the tests set them):
                           "steps_at_full": 20 (with until_world: at least this many steps once the world
                           is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
                           "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
-                          Wrapper's default), ...}}
+                          Wrapper's default), ...},
+                          "die_admitting": {"seat": 0, "life": 0}: that process, as a restart's leader,
+                          SIGKILLs itself right after writing its first admission (before it moves
+                          the seat and tells the joiner)}
   INPROCESS_RESPAWN_COUNT which life of its seat this process is (0: the job's first processes)
 
 The state a process resumes from is what a user's code would load: a checkpoint
@@ -83,6 +86,28 @@ _buffer = io.BytesIO()
 torch.save({"model": _model.state_dict(), "opt": _opt.state_dict()}, _buffer)
 _buffer.seek(0)
 torch.load(_buffer)
+
+
+def die_while_admitting(spec):
+    """This process dies as a leader in the middle of an admission: its admission records are
+    written (Pipe.compare_set_many's first call), its seats not yet moved, its joiners not told."""
+    if spec is None or spec["seat"] != SEAT or spec.get("life", 0) != LIFE:
+        return
+    from inprocess.control import joining
+
+    original = joining.Pipe.compare_set_many
+
+    def then_die(self, items):
+        values = original(self, items)
+        log["died_admitting"] = [key for key, _, _ in items]
+        write_log()
+        os.kill(os.getpid(), 9)
+        return values
+
+    joining.Pipe.compare_set_many = then_die
+
+
+die_while_admitting(PLAN.get("die_admitting"))
 
 
 def kill_here(step, active_rank):
