@@ -54,12 +54,14 @@ def test_ping_livelock_restarts(job):
 
 
 def test_disable_hang_protection_suspends_both_timeouts_and_re_arms_them(job):
-    """Every rank sleeps 3.5 s (past soft 1 s and hard 2.5 s) inside
+    """Every rank sleeps 5.5 s (past soft 2 s and hard 4 s) inside
     disable_hang_protection(): nothing fires. Three steps later rank 1 hangs
-    outside it: the re-armed soft timeout restarts the job, once."""
-    sleep = [{"iteration": 0, "rank": r, "step": 2, "kind": "protected_sleep:3.5"} for r in range(4)]
+    outside it: the re-armed soft timeout restarts the job, once. (A soft
+    timeout of 1 s fired under load before the first step: the process group's
+    creation and DDP's took longer.)"""
+    sleep = [{"iteration": 0, "rank": r, "step": 2, "kind": "protected_sleep:5.5"} for r in range(4)]
     hang = {"iteration": 0, "rank": 1, "step": 5, "kind": "hang"}
-    wrapper = dict(FAST_TIMEOUTS, soft_timeout=1, hard_timeout=2.5)
+    wrapper = dict(FAST_TIMEOUTS, soft_timeout=2, hard_timeout=4)
     res = job({"steps": 8, "faults": sleep + [hang], "wrapper": wrapper}, timeout=90)
     for r in range(4):
         log = res.rank(r)
