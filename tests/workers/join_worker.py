@@ -9,9 +9,9 @@ Configured by environment variables (the tests set them):
                           is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
                           "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
                           Wrapper's default), ...},
-                          "die_admitting": {"seat": 0, "life": 0}: that process, as a restart's leader,
-                          SIGKILLs itself right after writing its first admission (before it moves
-                          the seat and tells the joiner)}
+                          "die_admitting": true: the first process of the job to write an admission
+                          as a restart's leader SIGKILLs itself right after (before it moves the seat
+                          and tells the joiner)}
   INPROCESS_RESPAWN_COUNT which life of its seat this process is (0: the job's first processes)
 
 The state a process resumes from is what a user's code would load: a checkpoint
@@ -88,10 +88,11 @@ _buffer.seek(0)
 torch.load(_buffer)
 
 
-def die_while_admitting(spec):
-    """This process dies as a leader in the middle of an admission: its admission records are
-    written (Pipe.compare_set_many's first call), its seats not yet moved, its joiners not told."""
-    if spec is None or spec["seat"] != SEAT or spec.get("life", 0) != LIFE:
+def die_while_admitting(enabled):
+    """The first leader of the job to admit a joiner dies in the middle of the admission: its
+    admission records are written (Pipe.compare_set_many's first call), its seats not yet moved,
+    its joiners not told. Once in the whole job (a marker file): whichever rank leads then."""
+    if not enabled:
         return
     from inprocess.control import joining
 
@@ -99,6 +100,10 @@ def die_while_admitting(spec):
 
     def then_die(self, items):
         values = original(self, items)
+        try:
+            os.close(os.open(os.path.join(OUT, "died_admitting"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return values
         log["died_admitting"] = [key for key, _, _ in items]
         write_log()
         os.kill(os.getpid(), 9)
