@@ -49,12 +49,11 @@ import os
 import pathlib
 import signal
 import sys
-import tempfile
 import time
 from typing import Any, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
-from join_latency import Timeline, stats
+from join_latency import Timeline, measured, stats, table
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORLD_SIZE = 3
@@ -218,18 +217,6 @@ LABELS = {
 }
 
 
-def table(figures: dict[str, Any]) -> str:
-    rows = [("what", "n", "p50 ms", "p99 ms", "max ms")]
-    for key, label in LABELS.items():
-        s = figures.get(key)
-        if s:
-            rows.append((label, str(s["n"]), f"{s['p50']:.0f}", f"{s['p99']:.0f}", f"{s['max']:.0f}"))
-    widths = [max(len(r[k]) for r in rows) for k in range(5)]
-    return "\n".join("  ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths,
-                                                                                                   strict=True)))
-                     for r in rows)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     reaping.exit_on_sigterm()  # kill PID stops the job this started, as Ctrl-C does
     ap = argparse.ArgumentParser(prog="python benchmarks/grow_pause.py", description=__doc__.split("\n")[0])
@@ -245,15 +232,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--grows={args.grows}: expected >= 1")
     if args.check_every < 1:
         ap.error(f"--check-every={args.check_every}: expected >= 1")
-    with tempfile.TemporaryDirectory(prefix="grow_pause.") as tmp:
-        out = pathlib.Path(tmp)
-        try:
-            figures = run(args.grows, out, args.timeout_s, args.step_s, args.check_every)
-        except BaseException:
-            for path in sorted(out.glob("output.*.txt")):
-                print(f"--- {path.name}\n{path.read_text()[-3000:]}", file=sys.stderr)
-            raise
-    print(table(figures))
+    figures = measured("grow_pause.",
+                       lambda out: run(args.grows, out, args.timeout_s, args.step_s, args.check_every))
+    print(table(figures, LABELS))
     print(json.dumps({"benchmark": "grow_pause", "grows": args.grows, "world_size": WORLD_SIZE,
                       "step_s": args.step_s, "check_every": args.check_every,
                       "load_average": os.getloadavg()[0], **figures}, separators=(",", ":")), flush=True)

@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
@@ -176,18 +176,21 @@ def run(cycles: int, out: pathlib.Path, timeout_s: float, step_s: float) -> dict
     return {name: stats(values) for name, values in samples.items() if values}
 
 
-def table(figures: dict[str, Any]) -> str:
+LABELS = {
+    "start_to_announced_ms": "joiner: process start -> announced",
+    "announced_to_admitted_ms": "joiner: announced -> admitted",
+    "admitted_to_first_step_ms": "joiner: admitted -> first step",
+    "start_to_first_step_ms": "joiner: process start -> first step",
+    "lose_pause_ms": "healthy ranks' pause: SIGKILL, rank lost",
+    "admit_pause_ms": "healthy ranks' pause: exception, joiner admitted",
+    "plain_pause_ms": "healthy ranks' pause: exception, no joiner",
+}
+
+
+def table(figures: dict[str, Any], labels: dict[str, str] = LABELS) -> str:
+    """The figures named in `labels`, in its order: n, p50, p99, max."""
     rows = [("what", "n", "p50 ms", "p99 ms", "max ms")]
-    names = {
-        "start_to_announced_ms": "joiner: process start -> announced",
-        "announced_to_admitted_ms": "joiner: announced -> admitted",
-        "admitted_to_first_step_ms": "joiner: admitted -> first step",
-        "start_to_first_step_ms": "joiner: process start -> first step",
-        "lose_pause_ms": "healthy ranks' pause: SIGKILL, rank lost",
-        "admit_pause_ms": "healthy ranks' pause: exception, joiner admitted",
-        "plain_pause_ms": "healthy ranks' pause: exception, no joiner",
-    }
-    for key, label in names.items():
+    for key, label in labels.items():
         s = figures.get(key)
         if s:
             rows.append((label, str(s["n"]), f"{s['p50']:.0f}", f"{s['p99']:.0f}", f"{s['max']:.0f}"))
@@ -195,6 +198,19 @@ def table(figures: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths,
                                                                                                    strict=True)))
                      for r in rows)
+
+
+def measured(prefix: str, measure: Callable[[pathlib.Path], dict[str, Any]]) -> dict[str, Any]:
+    """`measure` with a temporary folder for the job's files; where it fails, the end of every
+    process's output goes to stderr first."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        out = pathlib.Path(tmp)
+        try:
+            return measure(out)
+        except BaseException:
+            for path in sorted(out.glob("output.*.txt")):
+                print(f"--- {path.name}\n{path.read_text()[-3000:]}", file=sys.stderr)
+            raise
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -209,14 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.cycles = 1
     if args.cycles < 1:
         ap.error(f"--cycles={args.cycles}: expected >= 1")
-    with tempfile.TemporaryDirectory(prefix="join_latency.") as tmp:
-        out = pathlib.Path(tmp)
-        try:
-            figures = run(args.cycles, out, args.timeout_s, args.step_s)
-        except BaseException:
-            for path in sorted(out.glob("output.*.txt")):
-                print(f"--- {path.name}\n{path.read_text()[-3000:]}", file=sys.stderr)
-            raise
+    figures = measured("join_latency.", lambda out: run(args.cycles, out, args.timeout_s, args.step_s))
     print(table(figures))
     print(json.dumps({"benchmark": "join_latency", "cycles": args.cycles, "world_size": WORLD_SIZE,
                       "load_average": os.getloadavg()[0], **figures}, separators=(",", ":")), flush=True)
