@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -298,7 +298,7 @@ class ReplicatedState:
                 log.info("peer state: no rank holds a committed state (none committed yet, or every holder "
                          "lost): the function loads its own")
             return None
-        lacking = _flags(mine != newest, rank, group, device, world)
+        lacking = [bool(r[0]) for r in _rows([int(mine != newest)], rank, world, group, device)]
         receivers = tuple(r for r, flag in enumerate(lacking) if flag)
         source = _all_reduce(rank if mine == newest else world, dist.ReduceOp.MIN, group, device)
         nbytes = 0
@@ -526,13 +526,8 @@ class ShardedState:
 
 
 def _node_ids(rank: int, world: int, device: torch.device) -> List[int]:
-    """Every rank's :func:`node_key`, as a number (one all_reduce)."""
-    import torch.distributed as dist
-
-    ids = torch.zeros(world, dtype=torch.int64, device=device)
-    ids[rank] = zlib.crc32(node_key().encode())
-    dist.all_reduce(ids)
-    return [int(x) for x in ids.tolist()]
+    """Every rank's :func:`node_key`, as a number."""
+    return [row[0] for row in _rows([zlib.crc32(node_key().encode())], rank, world, None, device)]
 
 
 def _held(own: Tuple[Optional[Snapshot], Optional[Snapshot]], copy: Tuple[Optional[Snapshot], Optional[Snapshot]],
@@ -549,19 +544,11 @@ def _held_table(own: Tuple[Optional[Snapshot], Optional[Snapshot]],
                 device: torch.device) -> List[List[Tuple[int, int]]]:
     """Every rank's (shard, step) pairs, by rank: its two own snapshots, then its two copies
     ((-1, -1) for none, and for a snapshot of a state with another number of shards)."""
-    import torch.distributed as dist
-
-    rows = torch.full((world, 8), -1, dtype=torch.int64, device=device)
     mine = []
     for snapshot in (*own, *copy):
         usable = snapshot is not None and snapshot.step >= 0 and snapshot.world == world
         mine += [snapshot.shard, snapshot.step] if usable and snapshot is not None else [-1, -1]
-    rows[rank] = torch.tensor(mine, dtype=torch.int64, device=device)
-    rows += 1  # a sum of every rank's row: others hold -1 + 1 = 0 there
-    dist.all_reduce(rows)
-    rows -= 1
-    flat = rows.tolist()
-    return [[(row[i], row[i + 1]) for i in range(0, 8, 2)] for row in flat]
+    return [[(row[i], row[i + 1]) for i in range(0, 8, 2)] for row in _rows(mine, rank, world, None, device)]
 
 
 def _plan_shards(table: List[List[Tuple[int, int]]], world: int) -> Tuple[int, List[int]] | str:
@@ -591,38 +578,13 @@ def _swap(snapshot: Snapshot, keeper: int, partner: int, group: Any, chunk: int,
     both: sends are posted first, non-blocking, so that the ring never waits on itself)."""
     import torch.distributed as dist
 
-    header = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
-                         "world": snapshot.world, "checksum": snapshot.checksum,
-                         "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
-    encoded = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-    length = torch.tensor([encoded.numel()], dtype=torch.int64)
-    pieces = [_byte_view(length), encoded] + [_byte_view(t) for t in snapshot.tensors]
     works = [dist.isend(piece[start:start + chunk], keeper, group=group)
-             for piece in pieces for start in range(0, piece.numel(), chunk)]
-    their_length = torch.zeros(1, dtype=torch.int64)
-    dist.recv(_byte_view(their_length), partner, group=group)
-    their = torch.empty(int(their_length.item()), dtype=torch.uint8)
-    _recv_chunks(their, partner, group, chunk)
-    meta = json.loads(bytes(their.tolist()).decode())
-    shapes = [(tuple(shape), getattr(torch, dtype)) for shape, dtype in meta["tensors"]]
-    if spare is None or spare.layout() != (meta["skeleton"], shapes):
-        spare = Snapshot(-1, meta["skeleton"], [torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
-    spare.step = -1  # being written
-    for t in spare.tensors:
-        _recv_chunks(_byte_view(t), partner, group, chunk)
+             for piece in _wire(snapshot) for start in range(0, piece.numel(), chunk)]
+    received = _read(lambda data: _recv_bytes(data, partner, group, chunk, None), spare)
     for work in works:
         if work is not None:
             work.wait()
-    spare.shard, spare.world, spare.checksum = int(meta["shard"]), int(meta["world"]), int(meta["checksum"])
-    spare.step = int(meta["step"])
-    return spare
-
-
-def _recv_chunks(data: torch.Tensor, peer: int, group: Any, chunk: int) -> None:
-    import torch.distributed as dist
-
-    for start in range(0, data.numel(), chunk):
-        dist.recv(data[start:start + chunk], peer, group=group)
+    return received
 
 
 # -- the transfer --------------------------------------------------------------
@@ -650,14 +612,15 @@ def _all_reduce(value: int, op: Any, group: Optional[Any], device: torch.device)
     return int(t.item())
 
 
-def _flags(flag: bool, rank: int, group: Optional[Any], device: torch.device, world: int) -> List[bool]:
-    """Every rank's `flag`, by group rank (one all_reduce of a world-sized vector)."""
+def _rows(row: List[int], rank: int, world: int, group: Optional[Any], device: torch.device) -> List[List[int]]:
+    """Every rank's `row` of integers (the same length on every rank), by group rank: one
+    all_reduce (a sum) of a matrix that holds zeros but in this rank's row."""
     import torch.distributed as dist
 
-    out = torch.zeros(world, dtype=torch.int32, device=device)
-    out[rank] = int(flag)
-    dist.all_reduce(out, group=group)
-    return [bool(x) for x in out.tolist()]
+    rows = torch.zeros((world, len(row)), dtype=torch.int64, device=device)
+    rows[rank] = torch.tensor(row, dtype=torch.int64, device=device)
+    dist.all_reduce(rows, group=group)
+    return [[int(x) for x in r] for r in rows.tolist()]
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -665,7 +628,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _send_bytes(data: torch.Tensor, peer: int, group: Optional[Any], device: torch.device, chunk: int,
+def _send_bytes(data: torch.Tensor, peer: int, group: Optional[Any], chunk: int,
                 staging: Optional[torch.Tensor]) -> None:
     import torch.distributed as dist
 
@@ -676,7 +639,7 @@ def _send_bytes(data: torch.Tensor, peer: int, group: Optional[Any], device: tor
         dist.send(piece, _global(group, peer), group=group)
 
 
-def _recv_bytes(data: torch.Tensor, peer: int, group: Optional[Any], device: torch.device, chunk: int,
+def _recv_bytes(data: torch.Tensor, peer: int, group: Optional[Any], chunk: int,
                 staging: Optional[torch.Tensor]) -> None:
     import torch.distributed as dist
 
@@ -689,30 +652,48 @@ def _recv_bytes(data: torch.Tensor, peer: int, group: Optional[Any], device: tor
             piece.copy_(staging[:piece.numel()])
 
 
-def _send(snapshot: Snapshot, peer: int, group: Optional[Any], device: torch.device, chunk: int) -> int:
-    """The snapshot to `peer`: its step and layout as JSON, then every tensor's bytes."""
+def _wire(snapshot: Snapshot) -> List[torch.Tensor]:
+    """A snapshot as it travels, as byte tensors: its header's length, its header (JSON: the
+    step, the skeleton, the shard, the checksum, each tensor's shape and dtype), every tensor."""
     header = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
                          "world": snapshot.world, "checksum": snapshot.checksum,
                          "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
     encoded = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-    staging = torch.empty(chunk, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     length = torch.tensor([encoded.numel()], dtype=torch.int64)
-    _send_bytes(_byte_view(length), peer, group, device, chunk, staging)
-    _send_bytes(encoded, peer, group, device, chunk, staging)
-    for t in snapshot.tensors:
-        _send_bytes(_byte_view(t), peer, group, device, chunk, staging)
+    return [_byte_view(length), encoded] + [_byte_view(t) for t in snapshot.tensors]
+
+
+def _read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot]) -> Snapshot:
+    """What :func:`_wire` sent, filled in by `receive` (into `spare` where its layout fits)."""
+    length = torch.zeros(1, dtype=torch.int64)
+    receive(_byte_view(length))
+    encoded = torch.empty(int(length.item()), dtype=torch.uint8)
+    receive(encoded)
+    header = json.loads(bytes(encoded.tolist()).decode())
+    shapes = [(tuple(shape), getattr(torch, dtype)) for shape, dtype in header["tensors"]]
+    if spare is None or spare.layout() != (header["skeleton"], shapes):
+        spare = Snapshot(-1, header["skeleton"], [torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+    spare.step = -1  # being written
+    for t in spare.tensors:
+        receive(_byte_view(t))
+    spare.shard, spare.world, spare.checksum = int(header["shard"]), int(header["world"]), int(header["checksum"])
+    spare.step = int(header["step"])
+    return spare
+
+
+def _staging(device: torch.device, chunk: int) -> Optional[torch.Tensor]:
+    """A chunk's buffer on the GPU for an NCCL group (its sends and receives take device tensors)."""
+    return torch.empty(chunk, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+
+def _send(snapshot: Snapshot, peer: int, group: Optional[Any], device: torch.device, chunk: int) -> int:
+    """The snapshot to `peer` (:func:`_wire`), staged on the GPU for an NCCL group."""
+    staging = _staging(device, chunk)
+    for piece in _wire(snapshot):
+        _send_bytes(piece, peer, group, chunk, staging)
     return snapshot.nbytes
 
 
 def _receive(peer: int, group: Optional[Any], device: torch.device, chunk: int) -> Snapshot:
-    staging = torch.empty(chunk, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-    length = torch.zeros(1, dtype=torch.int64)
-    _recv_bytes(_byte_view(length), peer, group, device, chunk, staging)
-    encoded = torch.empty(int(length.item()), dtype=torch.uint8)
-    _recv_bytes(encoded, peer, group, device, chunk, staging)
-    header = json.loads(bytes(encoded.tolist()).decode())
-    tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in header["tensors"]]
-    for t in tensors:
-        _recv_bytes(_byte_view(t), peer, group, device, chunk, staging)
-    return Snapshot(int(header["step"]), header["skeleton"], tensors, int(header["shard"]), int(header["world"]),
-                    int(header["checksum"]))
+    staging = _staging(device, chunk)
+    return _read(lambda data: _recv_bytes(data, peer, group, chunk, staging), None)
