@@ -103,16 +103,21 @@ def test_a_respawned_process_joins_and_gets_its_state_from_a_peer(tmp_path: path
     assert survivor == [(4, None), (3, kill_at), (4, kill_at)], why
 
 
+def _run_example(name: str, steps: int) -> str:
+    """examples/<name> as its docstring runs it (5 processes, initial rank 1 SIGKILLed); rank 0's output."""
+    example = pathlib.Path(__file__).parent.parent / "examples" / name
+    with LocalJob([str(example)], 5, env={"EXAMPLE_STEPS": str(steps)}) as job:
+        ranks = job.wait(timeout=120)
+    assert [r.returncode for r in ranks] == [0, -9, 0, 0, 0], job.outputs()[-6000:]
+    return ranks[0].output
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_the_example_runs_as_documented() -> None:
     """examples/peer_state.py: after the exception every rank resumes at step 30; after the kill
     the spare (the new rank 3) gets step 60 from rank 0."""
-    example = pathlib.Path(__file__).parent.parent / "examples" / "peer_state.py"
-    with LocalJob([str(example)], 5, env={"EXAMPLE_STEPS": "70"}) as job:
-        ranks = job.wait(timeout=120)
-    assert [r.returncode for r in ranks] == [0, -9, 0, 0, 0], job.outputs()[-6000:]
-    out = ranks[0].output
+    out = _run_example("peer_state.py", steps=70)
     # A rank that the restart interrupted between step 29's last collective and its commit
     # holds step 29: it gets step 30 from a peer too.
     assert re.search(r"iteration 1: 4 ranks at step 30(, sent by rank \d to rank\(s\) \[[\d, ]+\])?\n", out), out
@@ -211,11 +216,7 @@ def test_a_shard_lost_with_its_copy_falls_back_and_says_so(tmp_path: pathlib.Pat
 def test_the_sharded_example_runs_as_documented() -> None:
     """examples/sharded_state.py: after the kill at step 40 the spare gets rank 1's slice from
     rank 0's copy, and every rank resumes at the last step whose copies were complete."""
-    example = pathlib.Path(__file__).parent.parent / "examples" / "sharded_state.py"
-    with LocalJob([str(example)], 5, env={"EXAMPLE_STEPS": "50"}) as job:
-        ranks = job.wait(timeout=120)
-    assert [r.returncode for r in ranks] == [0, -9, 0, 0, 0], job.outputs()[-6000:]
-    out = ranks[0].output
+    out = _run_example("sharded_state.py", steps=50)
     assert re.search(r"iteration 1: 4 ranks at step (39|40)\n", out), out
     assert "done: step 50" in out, out
 
