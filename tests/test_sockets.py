@@ -33,3 +33,27 @@ def test_a_socket_accepted_by_an_older_listener_is_not_the_new_groups():
     finally:
         for s in (store_server, client, accepted, group_listener, pair, pair_accepted):
             s.close()
+
+
+def test_a_socket_closed_by_its_owner_meanwhile_is_skipped_not_an_error():
+    """gloo's and a store's threads close their sockets at any moment, also between the
+    listing of /proc/self/fd and the look at each socket: that socket is skipped.
+    (socket.socket(fileno=closed) raises EBADF; that OSError once came out of a rank's
+    init_process_group.)"""
+    from inprocess.engine import sockets
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    before = sockets.socket_fds()
+    pair = socket.create_connection(listener.getsockname())
+    new = sockets.new_since(before)
+    closed_fd = pair.fileno()
+    assert closed_fd in new
+    pair.close()  # closed after the listing, before the look
+    try:
+        assert sockets.accepted_by_older_listeners(new, before) == {}
+        before[closed_fd] = new[closed_fd]  # and a closed one among the older listeners' candidates
+        assert sockets.accepted_by_older_listeners({}, before) == {}
+    finally:
+        listener.close()

@@ -72,19 +72,32 @@ def install() -> bool:
                 result = original(*args, **kwargs)
                 return result
             finally:
-                new = sockets.new_since(before)
-                for fd in sockets.accepted_by_older_listeners(new, before):
-                    del new[fd]
-                with _lock:
-                    _sockets.update(new)
-                    if result is not None:
-                        _groups.append(result)
-                log.debug("process group created: %d new sockets %s", len(new), sorted(new))
+                _track(before, result)
 
         tracking_helper.__inprocess_original__ = original  # type: ignore[attr-defined]
         c10d._new_process_group_helper = tracking_helper
         _installed = True
         return True
+
+
+def _track(before: dict[int, str], result: Any) -> None:
+    """Record what a group's creation opened. Runs in the creator's ``finally``: it must
+    not raise, or the caller's init_process_group would fail after torch registered the
+    group (an OSError here once left a rank unable to create its group again)."""
+    try:
+        new = sockets.new_since(before)
+        for fd in sockets.accepted_by_older_listeners(new, before):
+            del new[fd]
+    except Exception as e:
+        log.warning("the sockets of a new process group could not be listed (%s: %s): a gloo "
+                    "collective of it in flight at a restart is released by its own timeout",
+                    type(e).__name__, e)
+        new = {}
+    with _lock:
+        _sockets.update(new)
+        if result is not None:
+            _groups.append(result)
+    log.debug("process group created: %d new sockets %s", len(new), sorted(new))
 
 
 def tracked() -> tuple[int, int]:
@@ -123,6 +136,27 @@ def held_connections() -> int:
     return _release.held()
 
 
+def _forget_orphaned_groups(c10d: Any) -> None:
+    """Unregister groups that torch registered for an init_process_group that never set
+    its default group: the restart interrupted it between ``_new_process_group_helper``
+    (which registers the group's name, distributed_c10d.py ``_update_process_group_state``)
+    and ``_update_default_pg``. ``destroy_process_group()`` cannot reach them then (it
+    needs a default group), and the next init_process_group of this rank would fail with
+    "The specified group name has already been created". This clears what
+    ``destroy_process_group(WORLD)`` clears; the groups themselves stay referenced in
+    ``_groups`` until the caller drops them."""
+    world = c10d._world
+    names = sorted(world.pg_names.values())
+    for registry in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                     "tags_to_pg", "pg_coalesce_state"):
+        table = getattr(world, registry, None)
+        if table is not None:
+            table.clear()
+    c10d._unregister_all_process_groups()
+    log.info("forgot %d process group(s) %s left registered by an interrupted init_process_group",
+             len(names), names)
+
+
 def release_groups() -> int:
     """Destroy every torch.distributed group and drop the references kept here.
 
@@ -136,6 +170,8 @@ def release_groups() -> int:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        elif c10d._world.pg_map:
+            _forget_orphaned_groups(c10d)
         # An init_process_group interrupted by the restart has already taken a
         # number from torch's process-local group counter, which names the
         # rendezvous keys; without a group to destroy nothing resets it, and

@@ -46,8 +46,14 @@ def new_since(before: dict[int, str]) -> dict[int, str]:
 
 
 def _local_port(fd: int) -> tuple[int, bool]:
-    """(local port, is a listener) of socket ``fd``; (-1, False) for a non-IP socket."""
-    sock = socket.socket(fileno=fd)
+    """(local port, is a listener) of socket ``fd``; (-1, False) for a non-IP socket or one
+    that is closed by now."""
+    try:
+        # Its owner's threads (gloo's, a store's) may close it at any moment: then
+        # socket() itself fails, with EBADF, while it probes the descriptor's family.
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return -1, False
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6):
             return -1, False
