@@ -22,8 +22,11 @@ S = 1_000_000_000
 SOFT = 300 * MS
 INTERVAL = 30 * MS
 # How late the trigger may be under load (the watchdog sleeps exactly until
-# the deadline; this is scheduling latency, not a polling interval).
-LATE_NS = 50 * MS
+# the deadline; this is scheduling latency, not a polling interval): 65 ms was
+# seen at load 15-20 on 2 cores. Half of SOFT still tells a thread that wakes at
+# the deadline from one that waits for the GIL or polls at the timeout's scale;
+# the microbenchmark (benchmarks/README.md) measures the real latency.
+LATE_NS = 150 * MS
 
 
 class Recorder:

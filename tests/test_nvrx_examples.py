@@ -1,5 +1,6 @@
 """Programs in the style of NVRx's inprocess examples, under the real torchrun, launched as their
-documentation says (``python -m torch.distributed.run --standalone --nproc-per-node 4 prog.py``).
+documentation says (``python -m torch.distributed.run --standalone --nproc-per-node 4 prog.py``; the tests
+give --standalone's rendezvous a port below the ephemeral range: ``test_torchrun.torchrun``).
 
 Both pass ``store_kwargs={'port': MASTER_PORT + 1}`` while torchrun shares its agent store on
 MASTER_PORT (``TORCHELASTIC_USE_AGENT_STORE=True``): the Wrapper's store must be served there by rank 0,

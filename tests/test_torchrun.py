@@ -22,12 +22,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any, Optional
 
 import pytest
 
 from inprocess.engine.trigger import EXIT_CODE_UNRELEASABLE
 from inprocess.gpu.errors import EXIT_CODE_CONTEXT_LOST
+from inprocess.launch import free_port
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "ddp_worker.py"
 NPROC = 4
@@ -72,7 +74,7 @@ class TorchrunJob:
 
 def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: int = 0, shared_store: bool = True,
                  timeout: float = 120.0, env: Optional[dict[str, str]] = None) -> TorchrunJob:
-    """torchrun --standalone with NPROC workers; every process it leads is gone when this returns."""
+    """torchrun with NPROC workers (see :func:`torchrun`); every process it leads is gone when this returns."""
     out = tmp_path / "out"
     out.mkdir()
     job_env = {
@@ -91,7 +93,8 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
 
 def torchrun(tmp_path: pathlib.Path, script_and_args: list[str], *, env: Optional[dict[str, str]] = None,
              max_restarts: int = 0, nproc: int = NPROC, timeout: float = 120.0) -> tuple[int, str, dict[int, str]]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=NPROC script args...`` in ``tmp_path``:
+    """``python -m torch.distributed.run --nproc-per-node=NPROC script args...`` (--standalone's rendezvous
+    on a chosen port) in ``tmp_path``:
     its exit status, its output (torchrun's and the workers'), and what outlived it (then killed). The
     whole process tree carries a marker in its environment, so that nothing of it is left running."""
     marker = f"INPROCESS_TORCHRUN_TEST={tmp_path}\0"  # the NUL ends the entry: no other path it prefixes
@@ -99,7 +102,12 @@ def torchrun(tmp_path: pathlib.Path, script_and_args: list[str], *, env: Optiona
     job_env["LOGLEVEL"] = "INFO"  # torchrun's own log: which worker failed, with which exit status
     job_env.update(env or {})
     job_env["INPROCESS_TORCHRUN_TEST"] = str(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    # --standalone's rendezvous, on a port below the ephemeral range: --standalone binds port 0, and
+    # MASTER_PORT + 1, where NVRx-style programs serve their own store, is then a port any outgoing
+    # connection of this machine may hold (EADDRINUSE in 1 of ~50 loaded runs, as launch.free_port says).
+    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port(2)}",
+                  f"--rdzv-id={uuid.uuid4().hex}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", *script_and_args]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "w") as log:
