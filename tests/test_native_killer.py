@@ -25,8 +25,9 @@ S = 1_000_000_000
 # generous for a loaded 2-core machine; the microbenchmark reports ~0.1 ms.
 SEEN_AT_ONCE_NS = 50 * MS
 # How late a deadline may be acted on under load (the guard sleeps exactly
-# until it; this is scheduling latency, not a polling interval).
-LATE_NS = 100 * MS
+# until it; this is scheduling latency, not a polling interval). 100 ms was
+# exceeded with busy loops beside the suite; the watchdog's tests use the same.
+LATE_NS = 150 * MS
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="pidfds are Linux-only")
 
@@ -294,6 +295,7 @@ def test_hard_timeout_kills_a_rank_that_stops_progress(spawn: Spawn, pidfds: Cal
     proc = spawn(
         ATTACH
         + """
+page.stamp_auto()                     # fresh progress before the guard starts watching
 print("ready", flush=True)
 end = time.monotonic() + 1.0          # progress for 2.5 hard timeouts
 while time.monotonic() < end:
