@@ -55,14 +55,14 @@ class SimNode:
     __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last")
 
     def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
-                 cap_s: float):
+                 cap_s: float, pipe: Any = None):
         self.index = index
         self.board = board
         self.relay = NodeRelay(board)
         self.ranks: list[SimRank] = []
         self.e_tally, self.a_tally = Tally(), Tally()
         self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
-        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s), call)
+        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
         self.last_ops = 0
         self.last = (0, 0, 0)
 
