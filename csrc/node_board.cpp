@@ -399,8 +399,16 @@ int NodeBoard::wait_event(int64_t iteration, int64_t deadline_ns, bool return_on
   }));
 }
 
-void NodeBoard::arrive(int64_t slot, int64_t barrier, int64_t expected) {
+void NodeBoard::arrive(int64_t slot, int64_t barrier, int64_t expected, int64_t initial_rank, int64_t life) {
   check_slot(slot, slots_);
+  if (initial_rank < -1 || initial_rank > kMaxInitialRank) {
+    throw std::invalid_argument("initial_rank " + std::to_string(initial_rank) + " out of range [-1, " +
+                                std::to_string(kMaxInitialRank) + "]");
+  }
+  if (life < 0 || life > kMaxLife) {
+    throw std::invalid_argument("life " + std::to_string(life) + " out of range [0, " + std::to_string(kMaxLife) +
+                                "]");
+  }
   if (barrier < 0 || barrier >= (int64_t{1} << (62 - kExpectedBits))) {
     throw std::invalid_argument("barrier " + std::to_string(barrier) + " out of range [0, " +
                                 std::to_string((int64_t{1} << (62 - kExpectedBits)) - 1) + "]");
@@ -410,8 +418,25 @@ void NodeBoard::arrive(int64_t slot, int64_t barrier, int64_t expected) {
                                 std::to_string((int64_t{1} << kExpectedBits) - 1) + "]");
   }
   const std::shared_ptr<Mapping> m = mapping();
+  // The seat before the arrival: the agent reads the arrival (acquire), then the seat.
+  m->slots[slot].seat.store(initial_rank < 0 ? 0 : (life << 32) | (initial_rank + 1), std::memory_order_relaxed);
   m->slots[slot].arrival.store(((barrier + 1) << kExpectedBits) | expected, std::memory_order_release);
   bump_and_wake(m->header->arrival);
+}
+
+std::optional<BoardSeat> NodeBoard::slot_seat(int64_t slot) const {
+  check_slot(slot, slots_);
+  const int64_t word = mapping()->slots[slot].seat.load(std::memory_order_acquire);
+  if (word == 0) return std::nullopt;
+  return BoardSeat{(word & 0xffffffff) - 1, word >> 32};
+}
+
+void NodeBoard::refuse_seat(int64_t slot, int64_t barrier) {
+  check_slot(slot, slots_);
+  check_index("barrier", barrier);
+  const std::shared_ptr<Mapping> m = mapping();
+  m->slots[slot].role.store(-(barrier + 1), std::memory_order_release);
+  bump_and_wake(m->header->notice);
 }
 
 std::optional<BoardArrival> NodeBoard::slot_arrival(int64_t slot) const {
@@ -423,7 +448,8 @@ std::optional<BoardArrival> NodeBoard::slot_arrival(int64_t slot) const {
 
 int64_t NodeBoard::leads(int64_t slot) const {
   check_slot(slot, slots_);
-  return mapping()->slots[slot].role.load(std::memory_order_acquire) - 1;
+  const int64_t role = mapping()->slots[slot].role.load(std::memory_order_acquire);
+  return role > 0 ? role - 1 : -1;
 }
 
 void NodeBoard::mark_forwarded(int64_t slot, int64_t barrier) {
@@ -529,7 +555,9 @@ int NodeBoard::wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, 
   // board, say relayed from the store, after the agent named this slot), the
   // slot must still learn that it was asked to lead.
   return static_cast<int>(wait_for(h, h.notice, deadline_ns, return_on_signal, [&](uint32_t) -> int64_t {
-    if (s.role.load(std::memory_order_acquire) == barrier + 1) return kLeader;
+    const int64_t role = s.role.load(std::memory_order_acquire);
+    if (role == -(barrier + 1)) return kRefused;
+    if (role == barrier + 1) return kLeader;
     if (h.decision_barrier.load(std::memory_order_acquire) >= barrier) return kDecided;
     return kPending;
   }));

@@ -23,9 +23,11 @@
 
 namespace inprocess {
 
-constexpr uint64_t kBoardMagic = 0x696e626f61726402ULL;  // "inboard" + layout version 2
-// Version 2 dropped the agent's heartbeat counter (nothing read it).
-constexpr uint32_t kBoardVersion = 2;
+constexpr uint64_t kBoardMagic = 0x696e626f61726403ULL;  // "inboard" + layout version 3
+// Version 2 dropped the agent's heartbeat counter (nothing read it). Version 3
+// gave each slot its seat (the agent takes the node's seats in one batch) and
+// a refusal (a negative role).
+constexpr uint32_t kBoardVersion = 3;
 
 // Fixed binary layout of the board's first bytes (design principle 5: no
 // pickle). The creator writes the plain fields before anyone can map the
@@ -52,11 +54,15 @@ struct BoardHeader {
 // at the store directly), so an arrival carries the count its barrier waits
 // for instead of a terminated bit: the agent forwards it without needing the
 // previous decision.
+// A rank that posts its seat with its arrival leaves the seat's compare_set
+// to the agent, which sends the node's in one pipelined batch; a seat found
+// counted out by someone else is answered with a refusal in `role`.
 struct BoardSlot {
   std::atomic<int64_t> arrival;    // 0: never arrived; else (barrier + 1) << kExpectedBits | expected
-  std::atomic<int64_t> role;       // 0: none; else barrier + 1: this slot leads `barrier`
+  std::atomic<int64_t> role;       // 0: none; barrier + 1: this slot leads `barrier`;
+                                   // -(barrier + 1): the agent could not take its seat at `barrier`
   std::atomic<int64_t> forwarded;  // 0: none; else barrier + 1: the agent counted this slot at `barrier`
-  int64_t reserved;
+  std::atomic<int64_t> seat;       // 0: the rank took its seat itself; else life << 32 | (initial rank + 1)
 };
 
 static_assert(std::is_standard_layout_v<BoardHeader> && std::is_standard_layout_v<BoardSlot>,
@@ -66,6 +72,12 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<u
               "a futex word must be a plain 32-bit word");
 static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free");
+
+// The seat a rank left to the agent with its arrival.
+struct BoardSeat {
+  int64_t initial_rank = 0;
+  int64_t life = 0;
+};
 
 // A rank's arrival as read back from its slot.
 struct BoardArrival {
@@ -106,6 +118,9 @@ class NodeBoard {
   static constexpr int kComplete = 1;  // wait_event
   static constexpr int kLeader = 1;    // wait_outcome: the slot leads the barrier
   static constexpr int kDecided = 2;   // wait_outcome: a decision for the barrier (or a later one) is posted
+  static constexpr int kRefused = 3;   // wait_outcome: the agent could not take the slot's seat
+  static constexpr int64_t kMaxInitialRank = (int64_t{1} << 31) - 2;
+  static constexpr int64_t kMaxLife = (int64_t{1} << 30) - 1;
   static constexpr int kTimeout = -1;
   static constexpr int kClosed = -2;
   static constexpr int kInterrupted = -3;  // only with return_on_signal: a signal arrived (EINTR)
@@ -154,8 +169,12 @@ class NodeBoard {
   int wait_event(int64_t iteration, int64_t deadline_ns, bool return_on_signal = false) const;
 
   // `expected` in [1, 2^24): the number of ranks barrier `barrier` counts.
-  void arrive(int64_t slot, int64_t barrier, int64_t expected);
+  // `initial_rank` >= 0 leaves the seat of that rank (in its life `life`) to
+  // the agent; -1: the rank took its seat in the store itself.
+  void arrive(int64_t slot, int64_t barrier, int64_t expected, int64_t initial_rank = -1, int64_t life = 0);
   std::optional<BoardArrival> slot_arrival(int64_t slot) const;
+  // The seat posted with the slot's latest arrival; nullopt if the rank took it itself.
+  std::optional<BoardSeat> slot_seat(int64_t slot) const;
   uint32_t arrival_seq() const;
   // Until the arrival sequence differs from `seen_seq` (in [0, 2^32)):
   // returns the new sequence; kTimeout; kClosed (even if the sequence moved).
@@ -164,6 +183,9 @@ class NodeBoard {
   void set_leader(int64_t slot, int64_t barrier);
   // The barrier `slot` was named to lead, -1 if none.
   int64_t leads(int64_t slot) const;
+  // The agent found the slot's seat taken (or not where it expected it) at
+  // `barrier`: it did not count the slot; the rank looks at its seat itself.
+  void refuse_seat(int64_t slot, int64_t barrier);
   // The agent records that its store count includes the slot's arrival at
   // `barrier`; a rank that finds the agent gone counts itself only if not.
   void mark_forwarded(int64_t slot, int64_t barrier);
@@ -173,8 +195,9 @@ class NodeBoard {
   void post_decision(int64_t barrier, const void* data, size_t size);
   // A consistent snapshot of the latest decision; nullopt before the first.
   std::optional<BoardDecision> read_decision() const;
-  // Until `slot` leads `barrier` (kLeader, checked first) or the posted
-  // decision is for `barrier` or later (kDecided); kTimeout; kClosed.
+  // Until the agent refused `slot`'s seat at `barrier` (kRefused, checked
+  // first), `slot` leads `barrier` (kLeader) or the posted decision is for
+  // `barrier` or later (kDecided); kTimeout; kClosed.
   int wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, bool return_on_signal = false) const;
 
   // The mapping and the views into it; shared with every wait in flight.

@@ -66,7 +66,19 @@ void register_node_board(py::module_& m) {
             return wait_releasing_gil([&] { return b.wait_event(iteration, deadline, true); });
           },
           py::arg("iteration"), py::arg("timeout_s"), "0 restart, 1 complete, -1 timeout, -2 closed.")
-      .def("arrive", &NodeBoard::arrive, py::arg("slot"), py::arg("barrier"), py::arg("expected"))
+      .def("arrive", &NodeBoard::arrive, py::arg("slot"), py::arg("barrier"), py::arg("expected"),
+           py::arg("initial_rank") = -1, py::arg("life") = 0,
+           "initial_rank >= 0 leaves that rank's seat (in life `life`) to the agent; -1: the rank took it itself.")
+      .def(
+          "slot_seat",
+          [](const NodeBoard& b, int64_t slot) -> std::optional<std::pair<int64_t, int64_t>> {
+            const auto s = b.slot_seat(slot);
+            if (!s) return std::nullopt;
+            return std::make_pair(s->initial_rank, s->life);
+          },
+          py::arg("slot"), "(initial_rank, life) of the seat posted with the latest arrival, or None.")
+      .def("refuse_seat", &NodeBoard::refuse_seat, py::arg("slot"), py::arg("barrier"),
+           "The agent could not take the slot's seat at `barrier`: its wait_outcome returns 3.")
       .def(
           "slot_arrival",
           [](const NodeBoard& b, int64_t slot) -> std::optional<std::pair<int64_t, int64_t>> {
@@ -113,7 +125,7 @@ void register_node_board(py::module_& m) {
             return wait_releasing_gil([&] { return b.wait_outcome(slot, barrier, deadline, true); });
           },
           py::arg("slot"), py::arg("barrier"), py::arg("timeout_s"),
-          "1 the slot leads the barrier, 2 a decision for it is posted, -1 timeout, -2 closed.");
+          "1 the slot leads the barrier, 2 a decision for it is posted, 3 its seat was refused, -1 timeout, -2 closed.");
 }
 
 }  // namespace inprocess::bindings

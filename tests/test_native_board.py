@@ -346,6 +346,42 @@ def test_arrivals(board: _native.NodeBoard) -> None:
     assert board.wait_arrivals(seq, 10) == -2  # closure wins over a moved sequence
 
 
+@pytest.mark.timeout(30)
+def test_an_arrival_carries_the_seat_the_agent_takes(board: _native.NodeBoard) -> None:
+    board.arrive(1, 4, 9, 16383, 2)
+    assert board.slot_arrival(1) == (4, 9) and board.slot_seat(1) == (16383, 2)
+    board.arrive(1, 5, 9)  # the rank took its seat itself
+    assert board.slot_seat(1) is None and board.slot_seat(0) is None
+    largest = (1 << 31) - 2, (1 << 30) - 1
+    board.arrive(2, 0, 1, *largest)
+    assert board.slot_seat(2) == largest
+    ranks, lives = rf"\[-1, {largest[0]}\]", rf"\[0, {largest[1]}\]"
+    for rank, life, message in (
+        (-2, 0, f"initial_rank -2 out of range {ranks}"),
+        (largest[0] + 1, 0, f"initial_rank {largest[0] + 1} out of range {ranks}"),
+        (0, -1, f"life -1 out of range {lives}"), (0, largest[1] + 1, f"life {largest[1] + 1} out of range {lives}"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            board.arrive(3, 0, 1, rank, life)
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_seat_is_the_slot_outcome_before_a_decision(board: _native.NodeBoard) -> None:
+    waiter: list[int] = []
+    thread = threading.Thread(target=lambda: waiter.append(board.wait_outcome(1, 2, 10)))
+    thread.start()
+    board.refuse_seat(1, 2)  # wakes the waiter
+    thread.join(10)
+    assert waiter == [3]
+    assert board.leads(1) == -1  # a refusal names no leader
+    assert board.wait_outcome(1, 3, 0.02) == -1  # it names one barrier
+    board.post_decision(2, b"x")
+    assert board.wait_outcome(1, 2, 0) == 3  # checked before the decision
+    assert board.wait_outcome(0, 2, 0) == 2
+    board.set_leader(1, 3)
+    assert board.wait_outcome(1, 3, 0) == 1 and board.leads(1) == 3
+
+
 # ---------------------------------------------------------------------------
 # Leaders and decisions
 

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from conftest import assert_excluded
 from inprocess import _native
 from inprocess.compose import Compose
-from inprocess.control.membership import Membership
-from inprocess.control.node_link import NodeLayout, NodeLink, socket_name
-from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol
+from inprocess.control import seats
+from inprocess.control.membership import ACTIVE, Membership
+from inprocess.control.node_link import OUTCOME_REFUSED, NodeLayout, NodeLink, socket_name
+from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol, SeatTaken
 from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.processes.node_agent import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
@@ -191,8 +192,9 @@ def test_the_first_batch_names_its_lowest_slot_leader_and_the_last_sets_ready():
         assert t.relays[n].relay_decision(t.relay_protocols[n], 1, lambda: False)
     for r in (0, 1, 3):
         assert t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json() == decision.to_json()
-    # Per rank, one store call for the whole barrier: its seat.
-    assert [t.ranks[r].ops for r in (0, 1, 3)] == [1, 1, 1]
+    # Per rank, no store call for the whole barrier: the agents took the seats, one compare_set each.
+    assert [t.ranks[r].ops for r in (0, 1, 3)] == [0, 0, 0]
+    assert [t.ranks[0].read_seat(r) for r in range(4)] == ["1"] * 4
 
 
 @pytest.mark.timeout(30)
@@ -219,6 +221,55 @@ def test_a_rank_whose_agent_vanished_counts_itself_unless_the_agent_had():
     t.boards[0].close()
     assert t.ranks[1].await_outcome(1, 1, 4, timeout=10).to_json() == decision.to_json()
     assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4  # nobody was counted twice
+
+
+@pytest.mark.timeout(30)
+def test_a_seat_counted_out_while_the_agent_batches_makes_its_rank_leave():
+    """Rank 3 posted its arrival; before its agent takes the node's seats, rank 3's monitor
+    counts it out (the seat's compare_set, as counting_out does, and its terminated arrival).
+    The agent's batch finds the seat taken: it counts rank 2 alone and refuses rank 3, which
+    looks at its seat itself and leaves. Every rank is counted once."""
+    t = TwoNodes()
+    for r in range(4):
+        t.ranks[r].post_arrival(1, r, 4)
+    monitor = RestartProtocol(dist.TCPStore("127.0.0.1", t.server.port, is_master=False,
+                                            timeout=datetime.timedelta(seconds=10)))
+    counted_out = seats.counted_out(1, "m3", 0)
+    assert monitor.counted.compare_set(monitor.seat_key(3), "0", counted_out).decode() == counted_out
+    monitor.arrive(1, 3, 4, terminated=True, seat_taken=True)
+    assert t.relays[1].forward(t.relay_protocols[1]) == 1  # rank 2 only
+    assert t.boards[1].wait_outcome(1, 1, 0) == OUTCOME_REFUSED and t.boards[1].forwarded(1) == -1
+    with pytest.raises(SeatTaken, match="initial rank 3 was counted out of barrier 1"):
+        t.ranks[3].await_outcome(1, 3, 4, timeout=10)
+    assert t.relays[0].forward(t.relay_protocols[0]) == 2
+    assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 3 + (1 << 32)  # 3 healthy, 1 terminated
+    decision = t.ranks[2].await_outcome(1, 2, 4, decide=t.decide_fn, timeout=10)  # the first batch's leader
+    assert decision.leader == 2 and decision.membership.world_size == 3 and decision.membership.mode[3] != ACTIVE
+    assert t.ranks[0].read_seat(3) == counted_out  # the agent never moved it back
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_whose_agent_took_its_seat_and_vanished_counts_itself_once():
+    """Node 1's agent took its ranks' seats and is gone before its add: the ranks count
+    themselves at the store, their seats' compare_set answering them as taken already."""
+    t = TwoNodes()
+    for r in range(4):
+        t.ranks[r].post_arrival(1, r, 4)
+    t.relays[0].forward(t.relay_protocols[0])
+    assert t.relay_protocols[1].take_seats(1, [(2, 0), (3, 0)]) == [True, True]
+    t.boards[1].close()
+    got: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json()))
+        for r in (2, 3)
+    ]
+    for thread in threads:
+        thread.start()
+    decision = t.ranks[0].await_outcome(1, 0, 4, decide=t.decide_fn, timeout=10)
+    for thread in threads:
+        thread.join(10)
+    assert decision.leader == 0 and got == {2: decision.to_json(), 3: decision.to_json()}
+    assert t.server.add(t.ranks[0].key(1, "arrivals"), 0) == 4
 
 
 @pytest.mark.timeout(30)

@@ -125,7 +125,7 @@ class SimJob:
             for members in part:
                 board = _native.NodeBoard.create(len(members), DECISION_CAPACITY)
                 node = SimNode(members[0] // rpn, self.call, board, self.conns.ops[g], self.conns.waits[g], group,
-                               self.timeout_s)
+                               self.timeout_s, self.conns.pipes[g])
                 for slot, r in enumerate(members):
                     rs = SimRank(r, self.call, self.conns.ops[g], self.conns.waits[g], group, NodeLink(board, slot))
                     node.ranks.append(rs)
@@ -188,8 +188,11 @@ class SimJob:
             raw = decision.to_json().encode()
             self.decision_raw[i] = raw
             size = len(raw)
-        ops, now = rs.ops, rs.tally()
-        digest = rs.m_tally.decision
+        # rs.ops and rs.tally(), inline: this runs once per simulated rank in the timed window, on the
+        # thread that goes on with the group's next ranks, and a real rank pays none of it.
+        tc, mc, tt, mt = rs.trigger.counted, rs.main.counted, rs.t_tally, rs.m_tally
+        ops, now = tc.calls + mc.calls, (tc.requests + mc.requests, tt.out + mt.out, tt.inb + mt.inb)
+        digest = mt.decision
         self.records[i].append([
             r, rs.t_woken, t_done, ops - rs.last_ops, now[0] - rs.last[0], now[1] - rs.last[1], now[2] - rs.last[2],
             int(leader), m.mode[r], m.rank[r], m.active_rank[r], digest, mdigest, decision.assignment_ns, size,

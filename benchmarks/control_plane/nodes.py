@@ -15,8 +15,9 @@ system call); a real agent forwards whatever arrived when its forward thread
 wakes, so a node's arrivals may take several adds, where here the node's
 ranks all post before its forward (one add per node, the fewest); a real
 agent talks through the torch-free ``TCPStoreClient`` on two connections of
-its own, here the relays use the group's torch connections (the same
-requests on the wire).
+its own, here the relays use the group's torch connections for their gets
+and adds (the same requests on the wire) and the group's ``TCPStoreClient``
+for the seats they take.
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ class SimNode:
     __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last")
 
     def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
-                 cap_s: float):
+                 cap_s: float, pipe: Any = None):
         self.index = index
         self.board = board
         self.relay = NodeRelay(board)
         self.ranks: list[SimRank] = []
         self.e_tally, self.a_tally = Tally(), Tally()
         self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
-        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s), call)
+        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
         self.last_ops = 0
         self.last = (0, 0, 0)
 
@@ -83,10 +84,11 @@ class NodeGroup:
         the others find the event set: each node still sends its own WAIT +
         GET), then ``trigger.wait_event(i)`` for each of the node's ranks
         (answered by the board: no store request);
-    (B) ``main.post_arrival(i+1)`` for each of the node's ranks (its seat:
-        one ``compare_set``; then its arrival on the board), then
-        ``relay.forward`` (one ``add`` for the node's batch; the batch that
-        completes the count also sets ``ready``). If the forward named one of
+    (B) ``main.post_arrival(i+1)`` for each of the node's ranks (its arrival
+        and its seat on the board: no store request), then ``relay.forward``
+        (the node's seats, one ``compare_set`` each pipelined over the
+        group's ``TCPStoreClient``, then one ``add`` for the node's batch; the
+        batch that completes the count also sets ``ready``). If the forward named one of
         the node's ranks the leader, that rank's ``await_outcome`` runs at
         once: it leads, and its wait for ``ready`` hands the group's remaining
         nodes to a new thread and blocks on the process's leader connection,

@@ -47,7 +47,8 @@ class Tally:
 class Connections:
     """The TCPStore client connections of one client process.
 
-    Two per group (non-blocking operations; blocking waits and gets), one for
+    Two per group (non-blocking operations; blocking waits and gets) and the
+    group's node agents' forward connection (``pipes``), one for
     the barrier's leader once it blocks (see ``Group.hand_over``), one for the
     simulated joiners (``--joiners``, :mod:`.joins`) and one for control
     (fault injection, end of job).
@@ -57,6 +58,7 @@ class Connections:
         import torch.distributed as dist
 
         from inprocess.control.host_names import numeric_host_names
+        from inprocess.control.tcpstore_client import TCPStoreClient
 
         numeric_host_names()  # as a rank's: torch names each connection without asking the resolver
         td = datetime.timedelta(seconds=timeout_s)
@@ -67,12 +69,15 @@ class Connections:
         # Connect a few at a time: a connect may wait on the resolver (see harness.CHILD_ENV).
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             made = list(pool.map(connect, range(2 * groups + 3)))
+        # Per group: the node agents' forward connection, the library's torch-free client (a real
+        # agent's), which sends the node's seats pipelined (compare_set_many).
+        self.pipes = [TCPStoreClient(HOST, port, timeout=td, connect_timeout=td) for _ in range(groups)]
         self.ops = made[0:2 * groups:2]  # per group: non-blocking operations
         self.waits = made[1:2 * groups:2]  # per group: blocking waits and gets
         self.join = made[-3]  # the simulated joiners of this process (--joiners)
         self.lead = made[-2]  # the leader of a barrier, once its group went on without it
         self.control = made[-1]  # the client's command loop (fault injection, end of job)
-        self.count = len(made)
+        self.count = len(made) + len(self.pipes)
 
 
 class Deferred(BaseException):
@@ -118,8 +123,9 @@ class SharedStore:
     """
 
     def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional[Turns],
-                 cap_s: Optional[float] = None):
+                 cap_s: Optional[float] = None, pipe: Any = None):
         self._op = op_conn
+        self._pipe = pipe  # a node agent's forward connection (TCPStoreClient): its pipelined seats
         self._wait_conn = wait_conn
         self._t = tally
         self._group = group
@@ -199,6 +205,17 @@ class SharedStore:
         if out == d:  # the leader published the decision (compare_set: the first writer wins)
             self._saw(key, out)
         return out
+
+    def compare_set_many(self, items: list[tuple[str, Any, Any]]) -> list[bytes]:
+        """A node agent's seats, pipelined on its forward connection (the real agent's client)."""
+        if self._pipe is None:
+            raise AttributeError("compare_set_many: this simulated store has no pipelined connection")
+        out = self._pipe.compare_set_many(items)
+        t = self._t
+        # Seat keys and values are ASCII: their lengths are their bytes (this runs once per simulated rank).
+        t.out += sum(1 + 8 + 1 + len(key) + 8 + len(e) + 8 + len(d) for key, e, d in items)
+        t.inb += sum(8 + len(v) for v in out)
+        return list(out)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         raw = [bytes(v) for v in self._conns()[0].multi_get(keys)]

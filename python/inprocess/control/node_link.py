@@ -70,6 +70,7 @@ BOARD_CLOSED = -2
 # What NodeBoardLink.wait_outcome answers.
 OUTCOME_LEAD = 1  # this rank leads the barrier
 OUTCOME_DECIDED = 2  # the barrier's decision is posted (or too large for the board: read it from the store)
+OUTCOME_REFUSED = 3  # the agent found this rank's seat taken: the rank looks at its seat itself
 
 
 class NodeBoardLink(Protocol):
@@ -87,14 +88,15 @@ class NodeBoardLink(Protocol):
     def alive(self) -> bool:
         """False for good once the agent exited or closed the board."""
 
-    def post_arrival(self, barrier: int, expected: int) -> None:
-        """This rank arrived (healthy) at ``barrier``, which counts ``expected`` ranks: the agent forwards it."""
+    def post_arrival(self, barrier: int, expected: int, initial_rank: int, life: int) -> None:
+        """This rank arrived (healthy) at ``barrier``, which counts ``expected`` ranks: the agent takes the
+        seat of ``initial_rank`` (in the seat's life ``life``) and forwards the arrival."""
 
     def wait_event(self, iteration: int, timeout_s: float) -> int:
         """0 restart, 1 complete, BOARD_TIMEOUT or BOARD_CLOSED."""
 
     def wait_outcome(self, barrier: int, timeout_s: float) -> int:
-        """OUTCOME_LEAD, OUTCOME_DECIDED, BOARD_TIMEOUT or BOARD_CLOSED."""
+        """OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED, BOARD_TIMEOUT or BOARD_CLOSED."""
 
     def read_decision(self) -> Optional[tuple[int, Optional[bytes]]]:
         """(barrier, decision bytes) as posted last; the bytes are None when too large for the board."""
@@ -172,8 +174,8 @@ class NodeLink:
 
     # -- the board, for this rank's slot (NodeBoardLink) -------------------------
 
-    def post_arrival(self, barrier: int, expected: int) -> None:
-        self.board.arrive(self.slot, barrier, expected)
+    def post_arrival(self, barrier: int, expected: int, initial_rank: int, life: int) -> None:
+        self.board.arrive(self.slot, barrier, expected, initial_rank, life)
 
     def wait_event(self, iteration: int, timeout_s: float) -> int:
         return int(self.board.wait_event(iteration, timeout_s))

@@ -57,9 +57,12 @@ decision, which another healthy rank takes over
 
 With node agents (:mod:`inprocess.processes.node_agent`), a rank's event and barrier
 outcome come from its node's board instead: the agent waits for the event
-and the decision once for the node and forwards the node's healthy arrivals
-in one ``add`` per batch. The rank still takes its seat here, so counting
-stays exactly-once against monitors, which always arrive directly.
+and the decision once for the node, takes the seats of the node's healthy
+arrivals with the same compare_sets pipelined in one batch, and forwards
+those whose seat it took in one ``add``. A seat found counted out ("t...")
+is refused on the board: that rank looks at its seat itself and leaves
+(:class:`SeatTaken`), so counting stays exactly-once against monitors, which
+always arrive directly.
 
 This module holds the protocol's logic. What it writes is in
 :mod:`inprocess.control.records` (fault records, decisions); how it talks to
@@ -83,7 +86,7 @@ from .counting_out import count_out
 from .incarnation import call_prefix
 from .joining import JoinKeys
 from .leadership import Terms, decide_barrier, parse_lost_mark
-from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, NodeBoardLink
+from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
 
@@ -279,12 +282,22 @@ class RestartProtocol:
         """Move the rank's seat from barrier ``iteration - 1`` to ``iteration``.
 
         False when somebody else counted the rank out already ("t..."): the
-        rank must not count itself.
+        rank must not count itself. True also when the seat holds this
+        rank's healthy arrival already (its node agent took it).
         """
-        life = self.life
-        desired = seats.counted_out(iteration, "self", life) if terminated else seats.healthy(iteration, life)
-        previous = seats.before_barrier(iteration, life)
+        previous, desired = self._seat_move(iteration, self.life, terminated)
         value = self.counted.compare_set(self.seat_key(initial_rank), previous, desired).decode()
+        return self._seat_moved(iteration, initial_rank, previous, desired, value)
+
+    @staticmethod
+    def _seat_move(iteration: int, life: int, terminated: bool = False) -> tuple[str, str]:
+        """(expected, desired) of the compare_set that takes a seat of life ``life`` at barrier ``iteration``."""
+        desired = seats.counted_out(iteration, "self", life) if terminated else seats.healthy(iteration, life)
+        return seats.before_barrier(iteration, life), desired
+
+    @staticmethod
+    def _seat_moved(iteration: int, initial_rank: int, previous: str, desired: str, value: str) -> bool:
+        """What the seat's compare_set answered ``value`` means: True taken, False counted out by someone else."""
         if value == desired:
             return True
         if value and seats.parse(value).counted_out:
@@ -297,6 +310,21 @@ class RestartProtocol:
                     "with INPROCESS_JOIN=1")
         raise InternalError(
             f"barrier {iteration}: seat of rank {initial_rank} holds {held}, expected {previous!r}{hint}")
+
+    def take_seats(self, iteration: int, claims: list[tuple[int, int]]) -> list[bool]:
+        """A node agent takes the seats of its ranks' healthy arrivals at barrier ``iteration``:
+        ``claims`` holds (initial rank, life) per arrival; the same compare_sets as
+        :meth:`take_seat`, pipelined when the store is a TCPStore client that can
+        (:meth:`~inprocess.control.tcpstore_client.TCPStoreClient.compare_set_many`).
+
+        Per claim, True when the seat is taken, False when it is not where the
+        rank left it (counted out by someone else, or anything unexpected): the
+        rank then looks at its seat itself, and raises what :meth:`take_seat` raises.
+        """
+        moves = [(self.seat_key(rank), *self._seat_move(iteration, life)) for rank, life in claims]
+        pipe = self.store if hasattr(self.store, "compare_set_many") else None
+        values = self.counted.compare_set_many(moves, pipe)
+        return [bytes(v).decode() == desired for (_, _, desired), v in zip(moves, values, strict=True)]
 
     def read_seat(self, initial_rank: int) -> Optional[str]:
         """The seat's value, or None if the rank never arrived anywhere."""
@@ -523,12 +551,10 @@ class RestartProtocol:
         return self.link
 
     def post_arrival(self, iteration: int, initial_rank: int, expected: int) -> None:
-        """A healthy arrival through the node agent, first half: the seat in
-        the store, then the arrival on the board (the agent forwards it)."""
-        link = self._require_link()
-        if not self.take_seat(iteration, initial_rank):
-            raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
-        link.post_arrival(iteration, expected)
+        """A healthy arrival through the node agent, first half: the arrival
+        and the rank's seat on the board; the agent takes the seat in the
+        store with the node's others and forwards the arrival."""
+        self._require_link().post_arrival(iteration, expected, initial_rank, self.life)
 
     def await_outcome(
         self, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = None, timeout: float
@@ -541,7 +567,7 @@ class RestartProtocol:
 
         def attempt(seconds: float) -> Optional[int]:
             outcome = link.wait_outcome(iteration, seconds)
-            return outcome if outcome in (OUTCOME_LEAD, OUTCOME_DECIDED) else None
+            return outcome if outcome in (OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED) else None
 
         outcome = wait_in_chunks(attempt, deadline, f"barrier {iteration} decision", "node board",
                                  chunk_s=NODE_POLL_S, go_on=link.alive)
@@ -554,16 +580,23 @@ class RestartProtocol:
                 return self._decided(Decision.from_json(posted[1]))
             # Too large for the board, or a lost mark: the terms are followed at the store.
             return decide_barrier(self, iteration, initial_rank, expected, decide, deadline)
-        # The agent is gone.
-        if link.forwarded() < iteration:
-            remaining = max(deadline.remaining() or 0.0, 0.0)
-            decision = self.barrier(
-                iteration, initial_rank, expected, decide=decide, timeout=remaining, seat_taken=True
-            )
-            assert decision is not None  # a healthy arrival always returns the decision
-            return decision
+        # The agent refused the seat, or is gone before it counted this rank.
+        if outcome == OUTCOME_REFUSED or link.forwarded() < iteration:
+            return self._arrive_directly(iteration, initial_rank, expected, decide, deadline)
         leads = link.leads() == iteration
         return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=leads)
+
+    def _arrive_directly(
+        self, iteration: int, initial_rank: int, expected: int, decide: Optional[DecideFn], deadline: Deadline
+    ) -> Decision:
+        """Count this rank at the store itself: its seat first (the agent may have
+        taken it already, which the compare_set answers as taken), then the barrier."""
+        if not self.take_seat(iteration, initial_rank):
+            raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
+        remaining = max(deadline.remaining() or 0.0, 0.0)
+        decision = self.barrier(iteration, initial_rank, expected, decide=decide, timeout=remaining, seat_taken=True)
+        assert decision is not None  # a healthy arrival always returns the decision
+        return decision
 
     # -- leaving --------------------------------------------------------------
 

@@ -71,7 +71,13 @@ class NodeRelay:
         self.adds = 0  # batches forwarded (one store add each)
 
     def forward(self, p: RestartProtocol) -> int:
-        """Forward every arrival posted since the last call; returns how many."""
+        """Forward every arrival posted since the last call; returns how many were counted.
+
+        Per barrier: the seats the ranks left to the agent are taken in one
+        pipelined batch (:meth:`RestartProtocol.take_seats`); a seat not taken
+        is refused on the board (its rank looks itself, and leaves if it was
+        counted out); the others are counted with one ``add``.
+        """
         board = self.board
         batches: dict[int, tuple[int, list[int]]] = {}
         for slot in range(board.slots):
@@ -84,14 +90,24 @@ class NodeRelay:
         n = 0
         for barrier in sorted(batches):
             expected, slots = batches[barrier]
-            healthy, _dead, _complete = p.arrive_batch(barrier, len(slots), expected)
+            claims = [(slot, board.slot_seat(slot)) for slot in slots]
+            wanted = [(slot, seat) for slot, seat in claims if seat is not None]
+            taken = p.take_seats(barrier, [seat for _, seat in wanted]) if wanted else []
+            refused = {slot for (slot, _), ok in zip(wanted, taken, strict=True) if not ok}
+            counted = [slot for slot in slots if slot not in refused]
+            for slot in refused:
+                self.forwarded[slot] = barrier
+                board.refuse_seat(slot, barrier)
+            if not counted:
+                continue
+            healthy, _dead, _complete = p.arrive_batch(barrier, len(counted), expected)
             self.adds += 1
-            if healthy == len(slots):  # the barrier's first healthy arrivals: one of them leads
-                board.set_leader(slots[0], barrier)
-            for slot in slots:
+            if healthy == len(counted):  # the barrier's first healthy arrivals: one of them leads
+                board.set_leader(counted[0], barrier)
+            for slot in counted:
                 self.forwarded[slot] = barrier
                 board.mark_forwarded(slot, barrier)
-            n += len(slots)
+            n += len(counted)
         return n
 
     def relay_decision(self, p: RestartProtocol, barrier: int, cancelled: Callable[[], bool]) -> bool:
