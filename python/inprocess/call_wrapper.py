@@ -202,6 +202,8 @@ class CallWrapper:
                 try:
                     return self._run(fn, args, kwargs)
                 finally:
+                    if self._grow is not None:
+                        self._grow.end()  # a grow scheduled and never reached leaves no keys behind
                     self._rt.close()
             finally:
                 faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
@@ -681,6 +683,8 @@ class CallWrapper:
         admitted = join.withdraw(p, self._join_token, f"{kind}: {type(exc).__name__}: {exc}")
         if admitted is not None:
             p.life = admitted.life
+            # The seat is in this life once the admitting decision is out (its leader moves it first).
+            p.wait_decision(admitted.barrier, self._w.timeouts.barrier_wait_s)
             count_out_before_joining(p, s, kind, exc, self._w.timeouts.barrier_wait_s)
 
     def _arrive_terminated(self, p: RestartProtocol, iteration: int) -> None:
