@@ -19,6 +19,7 @@ import torch.distributed as dist
 from conftest import WORKERS, leftover_processes
 from inprocess.control.incarnation import call_prefix
 from inprocess.control.joining import Announcement, JoinKeys, Outcome
+from inprocess.control.protocol import monitor_heartbeat_key
 from inprocess.control.store_ops import CountingStore
 from inprocess.launch import LocalJob, RankProcess
 
@@ -86,8 +87,10 @@ def test_a_waiting_joiner_whose_node_is_lost_is_withdrawn_and_never_admitted(tmp
             until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
             lost = job.respawn(3, 1)
             joiner = until("the joiner announced", lambda: announcement_of(keys, lost.popen.pid), timeout=180)
-            until("the joiner's monitor beats on its seat's counter",
-                  lambda: keys.counted.peek(keys.watched_key(joiner.token)) is not None)
+            # Two beats of the joiner's monitor on its seat's counter (seat 3's own monitor is gone).
+            counter = monitor_heartbeat_key(0, 3)
+            first = int(keys.counted.peek(counter) or 0)
+            until("the joiner's monitor beats", lambda: int(keys.counted.peek(counter) or 0) >= first + 2)
             assert keys.read_outcome(joiner.token) is None  # it waits
             os.killpg(lost.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
             killed = time.monotonic()
@@ -152,7 +155,49 @@ def test_a_joiner_that_dies_admitted_before_its_seat_moved_is_counted_out_at_onc
     assert [r["joined"] for r in restarts] == [[], [3], []], restarts
     # The iteration that admitted the dead joiner ended within the monitors' timing (barrier_timeout: 150 s).
     starts = {entry["iteration"]: entry["t"] for entry in logs["seat0.life0"]["iterations"]}
-    admitted_in = restarts[1]["iteration"]
+    admitted_in = restarts[1]["iteration"] + 1  # the restart after iteration i admits into iteration i + 1
+    assert starts[admitted_in + 1] - starts[admitted_in] < 60, starts
+
+
+@pytest.mark.timeout(300)
+def test_an_admitted_joiner_whose_node_is_lost_is_counted_out_by_the_peers(tmp_path: pathlib.Path) -> None:
+    """4 active seats. Seat 3 is SIGKILLed, its replacement waits, seat 2 is SIGKILLed: the restart
+    admits the joiner into seat 3. Once it runs, the joiner AND its monitor are SIGKILLed. Seat 3's
+    heartbeat counter had stopped with its first process's monitor; it moved again with the
+    joiner's, and stands still now: the peers' monitors count the joiner out, and the job ends with
+    seats 0 and 1 without waiting for barrier_timeout."""
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
+            "hold": {"step": 25, "file": "go"},
+            "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1}]}
+    with LocalJob([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        try:
+            until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+            joiner = job.respawn(3, 1)
+            until("the joiner runs", lambda: (out / "seat3.life1.json").exists()
+                  and json.loads((out / "seat3.life1.json").read_text())["iterations"], timeout=240)
+            os.killpg(joiner.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
+            (out / "go").touch()
+            text = finish(job, 240)
+        except BaseException:
+            job.kill()
+            print(job.outputs())
+            raise
+        finally:
+            job.kill()
+        assert_nothing_left(job)
+    assert joiner.returncode == -signal.SIGKILL, text
+    logs = read_logs(out)
+    finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
+    assert sorted(finishers) == ["seat0.life0", "seat1.life0"], (sorted(finishers), text)
+    assert len({json.dumps(r["params"]) for r in finishers.values()}) == 1
+    restarts = finishers["seat0.life0"]["restarts"]
+    assert [r["terminated"] for r in restarts] == [[3], [2], [3]], restarts
+    assert [r["joined"] for r in restarts] == [[], [3], []], restarts
+    assert "sent no heartbeat" in " ".join(" ".join(r["faults"]) for r in restarts), restarts
+    starts = {entry["iteration"]: entry["t"] for entry in logs["seat0.life0"]["iterations"]}
+    admitted_in = restarts[1]["iteration"] + 1
     assert starts[admitted_in + 1] - starts[admitted_in] < 60, starts
 
 
