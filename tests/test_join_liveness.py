@@ -51,6 +51,8 @@ def finish(job: LocalJob, timeout: float) -> str:
         rp.output, _ = rp.popen.communicate(timeout=60)
         rp.returncode = rp.popen.returncode
     every: list[RankProcess] = job.ranks + job.respawned
+    whole = "\n".join(f"--- seat {rp.rank} pid {rp.popen.pid} rc={rp.returncode}\n{rp.output or ''}" for rp in every)
+    (pathlib.Path(job.env["INPROCESS_TEST_OUT"]) / "outputs.txt").write_text(whole)  # for a failure's look
     return "\n".join(f"--- seat {rp.rank} pid {rp.popen.pid} rc={rp.returncode}\n{(rp.output or '')[-4000:]}"
                      for rp in every)
 

@@ -263,9 +263,11 @@ class CallWrapper:
     def _join_running_job(self, keys: Optional[list[list[str]]]) -> bool:
         rt, s = self._runtime, self.state
         try:
+            t = self._w.timeouts
+            beats = rt.monitor is not None and t.heartbeat_interval.total_seconds() > 0
             decision = join.wait_for_admission(rt.protocol, s, self._join_token, self._job_config, keys,
-                                               stamp=rt.hang_guard.stamp_progress,
-                                               timeout=self._w.timeouts.barrier_wait_s)
+                                               stamp=rt.hang_guard.stamp_progress, timeout=t.barrier_wait_s,
+                                               monitor_beat_s=t.heartbeat_timeout.total_seconds() if beats else None)
         except join.JoinClosed as e:
             log.info("rank %d: %s", s.initial_rank, e)
             return False
