@@ -61,6 +61,12 @@ and lists it too.
 (``closed:...``), and it returns from the wrapped call like a spare. A store
 that goes away ends its wait too.
 
+**Watching.** A joiner whose seat is free waits for its monitor's first beat
+before it announces itself (one blocking wait); its monitor writes ``watched``
+once, and while the seat is held reads the seat and the record every heartbeat
+interval. A peer's monitor that sees a seat's counter stand still reads the
+lines and one key per joiner of that seat.
+
 **Cost.** A joiner makes eight store calls (its seat's read, its record, its
 announcement and counter, ``running`` twice, one blocking wait, the read of
 its decision). The leader of a barrier with K joiners to look at makes a

@@ -1,7 +1,9 @@
 """A process that joins a running job: its side of :mod:`inprocess.control.joining`.
 
 Started with ``INPROCESS_JOIN=1`` and the job's environment, the process
-checks that the store runs a job of its own incarnation, announces itself
+checks that the store runs a job of its own incarnation, waits for its
+monitor's first beat on its seat's counter when the seat is free (so that the
+peers' monitors can see it lost from its announcement on), announces itself
 (its seat, its configuration, its topology keys) and waits, stamping its
 progress like a spare, until a restart's leader resolves it. Admitted, it
 reads that barrier's decision and enters the job with it; refused, it leaves
