@@ -144,6 +144,7 @@ def kill_the_admitted(enabled):
             return values
         pids = [int(token.rsplit("-", 2)[1]) for token in admitted]
         log["killed_admitted"] = pids
+        log["killed_admitted_t"] = time.time()
         write_log()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -175,6 +176,8 @@ def hold_here(step):
     hold = PLAN.get("hold")
     if hold is None or hold["step"] != step:
         return
+    log["held_at"] = step  # this process waits at the hold (a test's cue)
+    write_log()
     deadline = time.monotonic() + hold.get("timeout", 240)
     while not os.path.exists(os.path.join(OUT, hold["file"])) and time.monotonic() < deadline:
         inprocess.current_call().ping()
@@ -229,6 +232,9 @@ wrapper = inprocess.Wrapper(
     completion_timeout=td(spec.get("completion_timeout", 60)),
     heartbeat_timeout=td(spec.get("heartbeat_timeout", 30)),
     **{name: td(spec[name]) for name in ("heartbeat_interval", "termination_grace_time") if name in spec},
+    # "monitor_logs": each process's monitor logs at INFO level to OUT/monitor.seat<r>.life<k>.log.
+    monitor_process_logfile=(os.path.join(OUT, f"monitor.seat{SEAT}.life{LIFE}.log") if PLAN.get("monitor_logs")
+                             else None),
 )
 
 
