@@ -220,6 +220,63 @@ def test_a_joiner_withdrawn_while_the_leaders_batched_admission_runs_is_not_admi
     assert k.read_outcome("d") == Outcome("admitted", 3, 2, 1) and p.read_seat(2) == "3@1"
 
 
+class OtherLeaderMeanwhile:
+    """Leader A's store: after A read every record and before its compare_sets go out, ``meanwhile``
+    runs (another leader of the same barrier, alive too after a false lost mark, on a connection of
+    its own)."""
+
+    def __init__(self, counted: Any, meanwhile: Any):
+        self._counted = counted
+        self._meanwhile = meanwhile
+        self.ran: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._counted, name)
+
+    def compare_set_many(self, items: list[tuple[str, str, str]], pipe: Any = None) -> list[bytes]:
+        if self.ran is None:
+            self.ran = self._meanwhile()
+        return list(self._counted.compare_set_many(items, pipe))
+
+
+@pytest.mark.parametrize("first_withdrawn", [False, True])
+def test_two_live_leaders_of_one_barrier_never_admit_two_joiners_into_one_seat(
+        protocol: RestartProtocol, first_withdrawn: bool) -> None:
+    """Leaders A and B of barrier 2 both run (A was marked lost, falsely). Joiners j1 then j2 ask for
+    seat 1. A reads both records pending; then B admits whole; then A writes. Without a withdrawal,
+    both admit j1 (the same value: the first writer's record holds, A reads its own value back) and
+    j2 waits. With j1 withdrawn before B looks, B admits j2, and A's admission of j1 fails on j1's
+    record, so A moves no seat: seat 1 gets one joiner, in one life, whoever decides. The seat's own
+    compare_set would not tell the two apart (both write "2@1"); the records' first-writer rule does."""
+    p = protocol
+    k = keys_of(p)
+    previous = lost_seats(p, [1], 4)
+    k.announce(Announcement("j1", 1, "h", 1, CONFIG))
+    k.announce(Announcement("j2", 1, "h", 2, CONFIG))
+    other = RestartProtocol(dist.TCPStore("127.0.0.1", p.counted.raw.port, 1, False,
+                                          datetime.timedelta(seconds=10)), 0, initial_world_size=4)
+
+    def leader_b() -> list[tuple[int, int]]:
+        if first_withdrawn:
+            keys_of(other).resolve("j1", Outcome("gone", why="died"))
+        return admit(other, 2, previous)
+
+    racing = OtherLeaderMeanwhile(p.counted, leader_b)
+    by_a = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
+                         publish_keys=p.publish_local_keys)
+    by_b = racing.ran
+    assert by_b == [(1, 1)] and p.read_seat(1) == "2@1"
+    admitted = [t for t in ("j1", "j2") if (o := k.read_outcome(t)) is not None and o.kind == "admitted"]
+    assert len(admitted) == 1
+    if first_withdrawn:
+        assert admitted == ["j2"] and by_a == [], by_a
+        assert k.read_outcome("j1") == Outcome("gone", why="died")
+    else:
+        assert admitted == ["j1"] and by_a == [(1, 1)], by_a
+        assert k.read_outcome("j2") is None  # it waits for a seat of its own
+    assert k.read_outcome(admitted[0]) == Outcome("admitted", 2, 1, 1)
+
+
 def test_a_leader_that_takes_the_lead_over_lists_moves_and_tells_an_admission_its_predecessor_wrote(
         protocol: RestartProtocol) -> None:
     """The leader of barrier 2 wrote an admission and was lost before it moved the seat or told the

@@ -202,6 +202,8 @@ class CallWrapper:
                 try:
                     return self._run(fn, args, kwargs)
                 finally:
+                    if self._grow is not None:
+                        self._grow.end()  # a grow scheduled and never reached leaves no keys behind
                     self._rt.close()
             finally:
                 faults.report_unfired(self.state.initial_rank, self.state.initial_world_size, self.state.iteration)
@@ -261,9 +263,11 @@ class CallWrapper:
     def _join_running_job(self, keys: Optional[list[list[str]]]) -> bool:
         rt, s = self._runtime, self.state
         try:
+            t = self._w.timeouts
+            beats = rt.monitor is not None and t.heartbeat_interval.total_seconds() > 0
             decision = join.wait_for_admission(rt.protocol, s, self._join_token, self._job_config, keys,
-                                               stamp=rt.hang_guard.stamp_progress,
-                                               timeout=self._w.timeouts.barrier_wait_s)
+                                               stamp=rt.hang_guard.stamp_progress, timeout=t.barrier_wait_s,
+                                               monitor_beat_s=t.heartbeat_timeout.total_seconds() if beats else None)
         except join.JoinClosed as e:
             log.info("rank %d: %s", s.initial_rank, e)
             return False
@@ -681,6 +685,8 @@ class CallWrapper:
         admitted = join.withdraw(p, self._join_token, f"{kind}: {type(exc).__name__}: {exc}")
         if admitted is not None:
             p.life = admitted.life
+            # The seat is in this life once the admitting decision is out (its leader moves it first).
+            p.wait_decision(admitted.barrier, self._w.timeouts.barrier_wait_s)
             count_out_before_joining(p, s, kind, exc, self._w.timeouts.barrier_wait_s)
 
     def _arrive_terminated(self, p: RestartProtocol, iteration: int) -> None:

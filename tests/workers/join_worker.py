@@ -9,6 +9,10 @@ Configured by environment variables (the tests set them):
                           is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
                           "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
                           Wrapper's default), ...},
+                          "end_safe_points": 5 (safe points after the loop, before it returns),
+                          "hold": {"step": 12, "file": "go"} (every rank waits there for OUT/go),
+                          "kill_admitted": true: the first leader to admit a joiner SIGKILLs the
+                          joiner's process before it moves the seat (kill_admitted_wait_s: 3),
                           "die_admitting": true: the first process of the job to write an admission
                           as a restart's leader SIGKILLs itself right after (before it moves the seat
                           and tells the joiner)}
@@ -115,6 +119,71 @@ def die_while_admitting(enabled):
 die_while_admitting(PLAN.get("die_admitting"))
 
 
+def kill_the_admitted(enabled):
+    """The first leader of the job to admit a joiner SIGKILLs the joiner's process (its monitor
+    lives on) right after writing the admission and before it moves the seat, then waits until the
+    joiner is dead and its monitor has had the time to count it out, and goes on. Once in the whole
+    job (a marker file). The joiner's pid is in its token (control/joining.py: host-pid-hex)."""
+    if not enabled:
+        return
+    import signal
+
+    from inprocess.control import joining
+
+    original = joining.Pipe.compare_set_many
+
+    def then_kill(self, items):
+        values = original(self, items)
+        admitted = [key.rsplit("/", 1)[1] for (key, _, desired), value in zip(items, values, strict=True)
+                    if desired.startswith("admitted:") and value.decode() == desired]
+        if not admitted:
+            return values
+        try:
+            os.close(os.open(os.path.join(OUT, "killed_admitted"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return values
+        pids = [int(token.rsplit("-", 2)[1]) for token in admitted]
+        log["killed_admitted"] = pids
+        log["killed_admitted_t"] = time.time()
+        write_log()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.02)
+        time.sleep(PLAN.get("kill_admitted_wait_s", 3.0))  # its monitor's count-out runs meanwhile
+        return values
+
+    joining.Pipe.compare_set_many = then_kill
+
+
+def _alive(pid):
+    """Whether ``pid`` runs (a zombie, dead and not reaped by its parent yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+kill_the_admitted(PLAN.get("kill_admitted"))
+
+
+def hold_here(step):
+    """"hold": {"step": 12, "file": "go"}: every rank waits at that step until the test creates the
+    file (OUT/go): the job stays at a known point while the test does its part."""
+    hold = PLAN.get("hold")
+    if hold is None or hold["step"] != step:
+        return
+    log["held_at"] = step  # this process waits at the hold (a test's cue)
+    write_log()
+    deadline = time.monotonic() + hold.get("timeout", 240)
+    while not os.path.exists(os.path.join(OUT, hold["file"])) and time.monotonic() < deadline:
+        inprocess.current_call().ping()
+        time.sleep(0.05)
+
+
 def kill_here(step, active_rank):
     """The kill of the plan due here, if any: by seat and life, or by active rank (whoever holds it
     at that step). Each fires once in the whole job (a marker file), also when a restart resumes
@@ -163,6 +232,9 @@ wrapper = inprocess.Wrapper(
     completion_timeout=td(spec.get("completion_timeout", 60)),
     heartbeat_timeout=td(spec.get("heartbeat_timeout", 30)),
     **{name: td(spec[name]) for name in ("heartbeat_interval", "termination_grace_time") if name in spec},
+    # "monitor_logs": each process's monitor logs at INFO level to OUT/monitor.seat<r>.life<k>.log.
+    monitor_process_logfile=(os.path.join(OUT, f"monitor.seat{SEAT}.life{LIFE}.log") if PLAN.get("monitor_logs")
+                             else None),
 )
 
 
@@ -179,7 +251,7 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     step = load_checkpoint(model, opt)
     log["iterations"].append({"iteration": call_wrapper.iteration, "active_rank": state.active_rank,
                               "active_world_size": state.active_world_size, "world_size": state.world_size,
-                              "start_step": step})
+                              "start_step": step, "t": time.time()})
     write_log()
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
                             world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 30)))
@@ -196,6 +268,7 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         last_step = max(last_step, step + PLAN.get("steps_at_full", 0))
     while step < last_step or state.active_world_size < PLAN.get("until_world", 0):
         call_wrapper.ping()
+        hold_here(step)
         kill = kill_here(step, state.active_rank)
         if kill is not None:
             wait_for_joiners(kill.get("after_joiners", 0))
@@ -214,6 +287,10 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         time.sleep(PLAN.get("step_s", 0.0))
     # A test that wants the last joiner waiting when the job ends (closed, not too late to be told).
     wait_for_joiners(PLAN.get("end_after_joiners", 0))
+    # "end_safe_points": safe points after the loop, then the function returns: with a grow policy whose
+    # check_every is this many, exactly one of them is a look, and the grow it schedules is never reached.
+    for _ in range(PLAN.get("end_safe_points", 0)):
+        call_wrapper.safe_point()
     dist.destroy_process_group()
     return {"step": step, "params": [p.detach().flatten().tolist() for p in model.parameters()],
             "active_world_size": state.active_world_size, "world_size": state.world_size,

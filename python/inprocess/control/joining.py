@@ -18,11 +18,15 @@ waits, monitored, on a key of its own until a leader resolves it:
                          announcement on, then its outcome, written once
                          (compare_set on ``pending``: the first writer wins):
                          ``admitted:<b>:<seat>:<life>``, ``refused:<why>``,
-                         ``gone:<why>`` (the joiner or its monitor withdrew
-                         it) or ``closed:<why>`` (the job ended)
+                         ``gone:<why>`` (the joiner, its monitor or, its
+                         node lost, a peer's monitor withdrew it) or
+                         ``closed:<why>`` (the job ended)
 ``joiner/<token>/told``  the outcome again, for the waiting joiner: written
                          by whoever resolved it on its behalf (a leader, the
-                         job's end), with one ``multi_set`` for all of them
+                         job's end, a peer's monitor), with one ``multi_set``
+                         for all of them
+``joiner/<token>/``      the value of its seat's heartbeat counter
+``watched``              (``monitors/<seat>``) at its monitor's first beat
 =======================  ====================================================
 
 **Admission.** The leader of every restart barrier b > 0 reads the
@@ -42,13 +46,26 @@ it is free.
 
 A waiting joiner is a spare in all but name: it costs the running ranks
 nothing, and the next restart's decision places it before the rank
-assignment runs. A leader lost after admitting a joiner and before its
-decision is out is replaced by one that reads the same admission (its barrier
-is written in it) and lists it too.
+assignment runs. It is watched like one: once its seat is free, its monitor
+adds to the seat's heartbeat counter, which the monitors of the seats before
+it watch already (:class:`inprocess.processes.monitor.PeerWatch`). A counter
+that stands still for ``heartbeat_timeout`` after the joiner's monitor beat on
+it means the joiner's node is lost: the peer's monitor withdraws it
+(:meth:`JoinKeys.withdraw_silent`), so that no leader admits a dead process.
+
+A leader lost after admitting a joiner and before its decision is out is
+replaced by one that reads the same admission (its barrier is written in it)
+and lists it too.
 
 **The end.** When the job ends, every pending joiner is closed
 (``closed:...``), and it returns from the wrapped call like a spare. A store
 that goes away ends its wait too.
+
+**Watching.** A joiner whose seat is free waits for its monitor's first beat
+before it announces itself (one blocking wait); its monitor writes ``watched``
+once, and while the seat is held reads the seat and the record every heartbeat
+interval. A peer's monitor that sees a seat's counter stand still reads the
+lines and one key per joiner of that seat.
 
 **Cost.** A joiner makes eight store calls (its seat's read, its record, its
 announcement and counter, ``running`` twice, one blocking wait, the read of
@@ -288,6 +305,28 @@ class JoinKeys:
             raise InternalError(f"joiner {announcement.token}: its record holds {held[:120]!r} before it announced")
         self.counted.append(self.lines_key, announcement.to_json() + "\n")
         self.counted.add(f"{self.prefix}joiners.announced", 1)
+
+    def watched_key(self, token: str) -> str:
+        return f"{self.prefix}joiner/{token}/watched"
+
+    def mark_watched(self, token: str, counter: int) -> None:
+        """The joiner's monitor beats on its seat's counter from ``counter`` on (its first beat's value)."""
+        self.counted.set(self.watched_key(token), str(counter))
+
+    def withdraw_silent(self, seat: int, counter: int, why: str) -> list[str]:
+        """The heartbeat counter of ``seat`` stood still at ``counter``: withdraw (and tell) the
+        waiting joiners of that seat whose monitor beat on it by then, lost with it. Returns their
+        tokens. A line read, a read per waiting joiner of the seat (few), their compare_sets."""
+        _, pending, _, _ = self.pending()
+        candidates = [a for _, a in pending if a.seat == seat]
+        watched = [self.counted.peek(self.watched_key(a.token)) for a in candidates]
+        lost = [a for a, raw in zip(candidates, watched, strict=True) if raw is not None and int(raw) <= counter]
+        if not lost:
+            return []
+        gone = Outcome(GONE, why=why)
+        with Pipe(self.counted) as pipe:
+            held = self.resolve_many([(a.token, gone) for a in lost], pipe)
+        return [a.token for a, outcome in zip(lost, held, strict=True) if outcome.encode() == gone.encode()]
 
     def waiting(self) -> int:
         """Joiners announced and not resolved yet: two counter reads (a grow's look, engine/grow.py)."""

@@ -27,7 +27,8 @@ does not count it.
 **Cost.** One ``peek`` per rank per look (``check_every`` safe points), plus
 two counter reads on active rank 0; a grow adds one ``add`` per rank. The two
 keys are deleted by the rank that scheduled the grow, when its next iteration
-begins (a restart without a grow pays nothing for them).
+begins or, if the call ends before the grow point, on the call's way out (a
+restart without a grow pays nothing for them).
 This module imports no torch.
 """
 
@@ -83,14 +84,27 @@ class GrowPoints:
         self.scheduled_in: Optional[int] = None  # the iteration in which this rank scheduled a grow
 
     def begin(self, iteration: int) -> None:
+        self._delete_keys()
+        self.count = 0
+        self.iteration = iteration
+
+    def end(self) -> None:
+        """The call ends (returned, or left the job): a grow scheduled in its last iteration never
+        came, and no next iteration deletes its keys; they go now. Best effort: the store may be
+        gone with the job."""
+        try:
+            self._delete_keys()
+        except Exception as e:
+            log.debug("grow: could not delete the keys of the grow scheduled in iteration %s: %s: %s",
+                      self.scheduled_in, type(e).__name__, e)
+
+    def _delete_keys(self) -> None:
         if self.scheduled_in is not None:
             # Only the rank that scheduled a grow deletes its keys (the iteration keys every restart
             # deletes would cost every job two calls per restart for a feature most do not use).
             for name in ("grow_at", "grow_arrivals"):
                 self.protocol.counted.delete_key(self.protocol.key(self.scheduled_in, name))
             self.scheduled_in = None
-        self.count = 0
-        self.iteration = iteration
 
     def reached(self, active_rank: Optional[int], active_world_size: int, world_size: int,
                 initial_world_size: int, initial_rank: int, wait: Callable[[], None]) -> None:

@@ -1,7 +1,9 @@
 """A process that joins a running job: its side of :mod:`inprocess.control.joining`.
 
 Started with ``INPROCESS_JOIN=1`` and the job's environment, the process
-checks that the store runs a job of its own incarnation, announces itself
+checks that the store runs a job of its own incarnation, waits for its
+monitor's first beat on its seat's counter when the seat is free (so that the
+peers' monitors can see it lost from its announcement on), announces itself
 (its seat, its configuration, its topology keys) and waits, stamping its
 progress like a spare, until a restart's leader resolves it. Admitted, it
 reads that barrier's decision and enters the job with it; refused, it leaves
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Callable, Optional
 
 from ..control import seats
 from ..control.joining import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, JoinKeys, Outcome
 from ..control.protocol import Decision, RestartProtocol
 from ..control.records import HOST
-from ..exception import RestartError
+from ..exception import RestartError, TimeoutError
 from ..state import State
 
 log = logging.getLogger("inprocess")
@@ -53,10 +56,14 @@ def job_config(wrapper: Any, fn: Callable[..., Any]) -> dict[str, str]:
 
 def wait_for_admission(
     p: RestartProtocol, state: State, token: str, config: dict[str, str], keys: Optional[list[list[str]]],
-    stamp: Callable[[], None], timeout: float,
+    stamp: Callable[[], None], timeout: float, monitor_beat_s: Optional[float] = None,
 ) -> Decision:
     """Announce this process and wait until a leader resolves it; returns the decision that
-    admits it (its seat's life is set on ``p``). Raises :class:`JoinRefused` or :class:`JoinClosed`."""
+    admits it (its seat's life is set on ``p``). Raises :class:`JoinRefused` or :class:`JoinClosed`.
+
+    ``monitor_beat_s``: with a monitor that heartbeats, how long to wait for its first beat
+    on a free seat's counter before announcing: a joiner is admitted only once the peers'
+    monitors can see it lost (None: no such monitor)."""
     join = JoinKeys(p.counted, p.call, p.incarnation)
     _check_incarnation(join, p.incarnation)
     seat = state.initial_rank
@@ -64,6 +71,8 @@ def wait_for_admission(
     if held is not None and not seats.parse(held).counted_out:
         log.info("rank %d: seat %d is held by a running process of the job: this process waits until it is free",
                  seat, seat)
+    elif monitor_beat_s is not None:
+        _await_first_beat(join, token, stamp, monitor_beat_s)
     join.announce(Announcement(token, seat, HOST, os.getpid(), config, keys))
     # Read after the announcement: a job that ended before it closed it, or says so here.
     _check_incarnation(join, p.incarnation)
@@ -89,6 +98,21 @@ def wait_for_admission(
     log.info("rank %d: admitted at barrier %d (life %d of its seat)", seat, outcome.barrier, outcome.life)
     # Published before the admission was read (the leader admits, then decides and publishes): no long wait.
     return p.wait_decision(outcome.barrier, timeout)
+
+
+def _await_first_beat(join: JoinKeys, token: str, stamp: Callable[[], None], seconds: float) -> None:
+    """Until this joiner's monitor beat on its seat's counter (it says so under the joiner's
+    token), at most ``seconds``: a monitor that started late is warned about, not waited for."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        stamp()
+        try:
+            join.counted.get_blocking(join.watched_key(token), min(left, _STAMP_S), "its monitor's first heartbeat")
+            return
+        except TimeoutError:
+            continue
+    log.warning("joiner %s: its monitor did not beat within %gs; it announces itself unwatched by the peers' "
+                "monitors until it does", token, seconds)
 
 
 def withdraw(p: RestartProtocol, token: str, why: str) -> Optional[Outcome]:

@@ -50,6 +50,7 @@ import time
 from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
+from ..control import seats
 from ..control.joining import ADMITTED, GONE, JoinKeys, Outcome
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
@@ -171,6 +172,13 @@ class PeerWatch:
     the restart barrier until barrier_timeout, and left the job.) Every rank is
     watched by up to WATCHED_PEERS monitors; its seat makes only the first to
     count it out do so.
+
+    A counter is a seat's, not one process's: once its monitor stopped on
+    purpose (it added HEARTBEAT_GONE) or was counted lost, the counter is
+    *dormant*, not timed, and still read. When it moves again, the monitor of
+    a process that joins the seat (:mod:`inprocess.control.joining`) beats on
+    it, and the watch resumes: a joiner, waiting or admitted, is watched like
+    any rank.
     """
 
     def __init__(self, call: int, rank: int, world_size: int, timeout_s: float, incarnation: str = ""):
@@ -180,7 +188,7 @@ class PeerWatch:
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self.last: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
-        self.done: set[int] = set()  # gone on purpose, or counted out
+        self.dormant: set[int] = set()  # gone on purpose, or counted lost: not timed until it moves
         self.exists: set[int] = set()
         self.first_look: Optional[float] = None  # the silence of a counter never seen is timed from here
 
@@ -188,7 +196,7 @@ class PeerWatch:
         """multi_get waits for missing keys: read only counters known to exist.
         A monitor creates its counter when it starts; until then the peer is
         checked, one ``check`` for all of them in the usual case."""
-        missing = [p for p in self.peers if p not in self.exists and p not in self.done]
+        missing = [p for p in self.peers if p not in self.exists]
         if not missing:
             return
         keys = [monitor_heartbeat_key(self.call, p, self.incarnation) for p in missing]
@@ -199,33 +207,35 @@ class PeerWatch:
             if store.check([key]):
                 self.exists.add(peer)
 
-    def poll(self, store: Any) -> list[tuple[int, float]]:
-        """Read the watched counters; returns the peers silent for too long (once each)."""
+    def poll(self, store: Any) -> list[tuple[int, float, int]]:
+        """Read the watched counters; returns the peers silent for too long (once per silence),
+        each as (peer, seconds silent, the counter's value: 0 for one never seen)."""
         if self.first_look is None:
             self.first_look = time.monotonic()
         self._confirm(store)
         lost = []
         now = time.monotonic()
         for peer in self.peers:
-            if peer not in self.exists and peer not in self.done and now - self.first_look > self.timeout_s:
-                self.done.add(peer)
-                lost.append((peer, now - self.first_look))
-        peers = [p for p in self.peers if p in self.exists and p not in self.done]
+            if peer not in self.exists and peer not in self.dormant and now - self.first_look > self.timeout_s:
+                self.dormant.add(peer)
+                lost.append((peer, now - self.first_look, 0))
+        peers = [p for p in self.peers if p in self.exists]
         if not peers:
             return lost
         values = store.multi_get([monitor_heartbeat_key(self.call, p, self.incarnation) for p in peers])
         now = time.monotonic()
         for peer, raw in zip(peers, values, strict=True):
             value = int(raw)
-            if value >= HEARTBEAT_GONE:
-                self.done.add(peer)
-                continue
             seen = self.last.get(peer)
             if seen is None or seen[0] != value:
                 self.last[peer] = (value, now)
-            elif now - seen[1] > self.timeout_s:
-                self.done.add(peer)
-                lost.append((peer, now - seen[1]))
+                if value // HEARTBEAT_GONE > (0 if seen is None else seen[0] // HEARTBEAT_GONE):
+                    self.dormant.add(peer)  # a monitor of the seat stopped on purpose
+                else:
+                    self.dormant.discard(peer)  # beating: its monitor, or a joiner's
+            elif peer not in self.dormant and now - seen[1] > self.timeout_s:
+                self.dormant.add(peer)
+                lost.append((peer, now - seen[1], value))
         return lost
 
 
@@ -250,6 +260,7 @@ class Monitor:
             self.watch = PeerWatch(args.call, args.rank, args.world_size, args.heartbeat_timeout_s,
                                    args.incarnation)
         self._heartbeat_thread: Optional[threading.Thread] = None
+        self._beating = False  # this monitor added to its seat's counter (a joiner's waits for a free seat)
         self._event: Optional[_native.GuardEvent] = None
         self._start_time: Optional[int] = None
 
@@ -278,10 +289,16 @@ class Monitor:
             try:
                 if store is None:
                     store = self._connect()
-                store.add(key, 1)
+                if self._seat_free_for_beats(store):
+                    beat = store.add(key, 1)
+                    if not self._beating:
+                        self._beating = True
+                        if self.args.join_token:
+                            JoinKeys(RestartProtocol(store, self.args.call, incarnation=self.args.incarnation).counted,
+                                     self.args.call, self.args.incarnation).mark_watched(self.args.join_token, beat)
                 if self.watch is not None and self._rank_passed_first_barrier():
-                    for peer, silent_s in self.watch.poll(store):
-                        self._declare_lost(peer, silent_s)
+                    for peer, silent_s, counter in self.watch.poll(store):
+                        self._declare_lost(peer, silent_s, counter)
                 if failing:
                     log.warning("heartbeat to the store works again after %d failed", failing)
                     failing = 0
@@ -298,21 +315,41 @@ class Monitor:
         if store is not None:
             store.close()
 
+    def _seat_free_for_beats(self, store: Any) -> bool:
+        """Whether this monitor may add to its seat's counter: always, but for a joiner's while
+        another process holds its seat (a running rank, whose counter it must not keep moving):
+        from the seat's being counted out, or the joiner's admission, on. Two reads per interval
+        while a joiner waits for a seat held."""
+        if self._beating or not self.args.join_token:
+            return True
+        protocol = RestartProtocol(store, self.args.call, incarnation=self.args.incarnation)
+        held = protocol.read_seat(self.rank)
+        if held is None or seats.parse(held).counted_out:
+            return True
+        outcome = JoinKeys(protocol.counted, self.args.call, self.args.incarnation).read_outcome(self.args.join_token)
+        return outcome is not None and outcome.kind == ADMITTED
+
     def _rank_passed_first_barrier(self) -> bool:
         # Every monitor has created its counter before its rank could count
         # itself in at barrier 0: from then on, every watched key exists.
         snap = self._page_snapshot()
         return snap is not None and snap.world_size > 0
 
-    def _declare_lost(self, peer: int, silent_s: float) -> None:
+    def _declare_lost(self, peer: int, silent_s: float, counter: int) -> None:
         """A peer's monitor went silent for heartbeat_timeout: its node is lost,
-        or its monitor is. Counted out on a thread of its own (it may wait for a
-        decision), so that this monitor's own heartbeat goes on."""
+        or its monitor is. The joiners waiting for its seat whose monitor beat
+        on the counter are withdrawn, the process holding the seat is counted
+        out; on a thread of its own (it may wait for a decision), so that this
+        monitor's own heartbeat goes on."""
         message = (f"the monitor of rank {peer} sent no heartbeat for {silent_s:.1f}s "
                    f"(heartbeat_timeout={self.args.heartbeat_timeout_s:g}s), seen by the monitor of rank {self.rank}")
         log.warning("%s: counting rank %d out", message, peer)
 
         def run() -> None:
+            try:
+                self._withdraw_lost_joiners(peer, counter, message)
+            except Exception as e:
+                log.error("could not withdraw the lost joiners of seat %d: %s: %s", peer, type(e).__name__, e)
             try:
                 self.count_out(peer, "unresponsive", "HeartbeatTimeout", message, self._connect())
             except Exception as e:
@@ -320,11 +357,26 @@ class Monitor:
 
         threading.Thread(target=run, name=f"inprocess-monitor-lost-{peer}", daemon=True).start()
 
+    def _withdraw_lost_joiners(self, seat: int, counter: int, message: str) -> None:
+        if counter == 0:
+            return  # a counter never seen: no joiner's monitor beat on it
+        store = self._connect()
+        try:
+            keys = JoinKeys(RestartProtocol(store, self.args.call, incarnation=self.args.incarnation).counted,
+                            self.args.call, self.args.incarnation)
+            for token in keys.withdraw_silent(seat, counter, f"its node is lost: {message}"):
+                log.warning("joiner %s, waiting for seat %d, withdrawn: %s", token, seat, message)
+        finally:
+            store.close()
+
     def _mark_gone(self, store: Any) -> None:
         """Tell the peers' monitors that this one stops on purpose (not lost), on
         the heartbeat's own connection (a new one if it had none): at the end of
         a job the store host may be gone already, and then there is nobody left
-        to tell, which is no reason to wait or to warn."""
+        to tell, which is no reason to wait or to warn. A joiner's monitor that
+        never beat leaves the counter alone: it is the running holder's."""
+        if self.args.join_token and not self._beating:
+            return
         try:
             if store is None:
                 timeout = min(self.args.store_timeout_s, _MARK_GONE_CONNECT_S)
@@ -465,12 +517,14 @@ class Monitor:
         life: Optional[int] = 0
         if self.args.join_token:
             try:
-                life = self._withdraw_joiner(message)
+                admitted = self._withdraw_joiner(message)
             except Exception as e:
                 log.error("rank %d: could not withdraw its join: %s: %s", self.rank, type(e).__name__, e)
                 return EXIT_STORE
-            if life is None:
+            if admitted is None:
                 return EXIT_OK
+            life = admitted.life
+            self._await_admitting_decision(admitted)
         try:
             self.count_out(self.rank, kind, type_, message, in_barrier=phase in _IN_BARRIER, life=life)
         except Exception as e:
@@ -478,15 +532,26 @@ class Monitor:
             return EXIT_STORE
         return EXIT_OK
 
-    def _withdraw_joiner(self, message: str) -> Optional[int]:
+    def _withdraw_joiner(self, message: str) -> Optional[Outcome]:
         """A rank that joined a running job died: withdraw it if it was not admitted yet
-        (None: nothing more to do), else the life of the seat it was admitted into."""
+        (None: nothing more to do), else its admission."""
         keys = JoinKeys(self.protocol.counted, self.args.call, self.args.incarnation)
         outcome = keys.resolve(self.args.join_token, Outcome(GONE, why=message))
         if outcome.kind == ADMITTED:
-            return outcome.life
+            return outcome
         log.info("rank %d died while it waited to join (%s): withdrawn", self.rank, outcome.kind)
         return None
+
+    def _await_admitting_decision(self, admitted: Outcome) -> None:
+        """A joiner that died admitted, perhaps before its leader moved the seat into its life
+        (the seat still holds the previous life's count-out, which counting out leaves alone):
+        the seat is moved once the admitting barrier's decision is out. Waited for here, so that
+        the count-out finds it moved and the next barrier does not wait for the dead joiner."""
+        try:
+            self.protocol.wait_decision(admitted.barrier, self.args.barrier_timeout_s)
+        except Exception as e:  # counted out where the seat stands, as before
+            log.warning("rank %d: no decision of barrier %d, which admitted it (%s: %s)", self.rank,
+                        admitted.barrier, type(e).__name__, e)
 
     def count_out(
         self, rank: int, kind: str, type_: str, message: str, store: Any = None, *, in_barrier: bool = True,
