@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import time
 import warnings
 from typing import Any, Optional
@@ -31,6 +32,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if not numeric_host_names():
         warnings.warn("torch's getnameinfo was not redirected in the test process: its stores make reverse DNS "
                       "lookups, and a slow resolver can stall the timed tests", stacklevel=1)
+    _take_back_sigint()
+
+
+def _take_back_sigint() -> None:
+    """SIGINT as a terminal gives it, for this process and every process the tests start.
+
+    A suite started in the background of a non-interactive shell (``cmd &``, as a CI script or
+    ``nohup`` may) inherits SIGINT ignored, and an ignored signal stays ignored across fork and
+    exec: the jobs that the tests stop with SIGINT (a scheduler's signal, a Ctrl-C to a
+    benchmark) would never see it. A handler, unlike SIG_IGN, is reset to the default at exec.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class JobResult:
