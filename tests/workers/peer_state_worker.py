@@ -20,6 +20,7 @@ final parameters and optimizer state (bitwise), the step each iteration resumed 
 and what each restore did.
 """
 
+import ctypes
 import datetime
 import hashlib
 import json
@@ -47,15 +48,21 @@ state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.g
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes, without numpy (torch's CPU wheel does not bring it)."""
+    t = t.detach().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
 def digest():
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(raw_bytes(t))
     for index, entry in sorted(optimizer.state_dict()["state"].items()):
         for key, value in sorted(entry.items()):
             h.update(f"{index}.{key}".encode())
-            h.update(value.detach().contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
+            h.update(raw_bytes(value) if torch.is_tensor(value) else repr(value).encode())
     return h.hexdigest()
 
 

@@ -14,6 +14,7 @@ gradient, and each rank takes an SGD-with-momentum step on its own slice. The
 result holds a digest of the gathered final parameters and momentum buffers.
 """
 
+import ctypes
 import datetime
 import hashlib
 import json
@@ -44,6 +45,12 @@ shard.weight = torch.nn.Parameter(torch.zeros(SLICE))
 optimizer = torch.optim.SGD(shard.parameters(), lr=0.05, momentum=0.9)
 state = inprocess.ShardedState(shard=shard, optimizer=optimizer, distance=PLAN.get("distance", 1))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes, without numpy (torch's CPU wheel does not bring it)."""
+    t = t.detach().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def write():
@@ -110,8 +117,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         state.commit(step)
     state.wait()
     h = hashlib.sha256()
-    h.update(gathered(shard.weight.detach()).numpy().tobytes())
-    h.update(gathered(optimizer.state[shard.weight]["momentum_buffer"]).numpy().tobytes())
+    h.update(raw_bytes(gathered(shard.weight.detach())))
+    h.update(raw_bytes(gathered(optimizer.state[shard.weight]["momentum_buffer"])))
     dist.destroy_process_group()
     return {"step": step, "digest": h.hexdigest()}
 
