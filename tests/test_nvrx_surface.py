@@ -433,8 +433,11 @@ def test_nested_restarter_hooks_take_nvrx_keywords() -> None:
     logger = NestedRestarterLogger()
     assert logger.name == "InprocessRestarter" and logger.restarter_logger.name == "InprocessRestarter.Restarter"
     # The contract line's handler holds the sys.stdout of the first test that made it (once per
-    # process), not this test's captured one: read it through a stream of this test's own.
-    (handler,) = [h for h in logger.restarter_logger.handlers if isinstance(h, logging.StreamHandler)]
+    # process), not this test's captured one: read it through a stream of this test's own. It is
+    # the handler the library marked: other tests may leave handlers of their own on that logger
+    # (a fresh-clone run of the whole suite found two StreamHandlers there).
+    (handler,) = [h for h in logger.restarter_logger.handlers if getattr(h, "_inprocess_nested_restarter", False)]
+    assert isinstance(handler, logging.StreamHandler)
     buffer = io.StringIO()
     previous = handler.setStream(buffer)
     try:
