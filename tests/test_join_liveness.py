@@ -5,13 +5,14 @@ Real processes on 127.0.0.1, a real TCPStore, gloo, SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import pathlib
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch.distributed as dist
@@ -66,6 +67,22 @@ def assert_nothing_left(job: LocalJob) -> None:
     assert not left, left
 
 
+@contextlib.contextmanager
+def join_job(argv: list[str], seats: int, **kwargs: Any) -> Iterator[LocalJob]:
+    """A LocalJob whose outputs are printed when the test fails inside it; every process it
+    started, the joiners too, is killed on the way out, and none may be left."""
+    with LocalJob(argv, seats, **kwargs) as job:
+        try:
+            yield job
+        except BaseException:
+            job.kill()
+            print(job.outputs())
+            raise
+        finally:
+            job.kill()
+        assert_nothing_left(job)
+
+
 WRAPPER = {"soft_timeout": 90, "hard_timeout": 120, "barrier_timeout": 150, "heartbeat_interval": 1,
            "heartbeat_timeout": 6}
 
@@ -82,31 +99,23 @@ def test_a_waiting_joiner_whose_node_is_lost_is_withdrawn_and_never_admitted(tmp
     plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
             "hold": {"step": 12, "file": "go"},
             "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20}]}
-    with LocalJob([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
-        try:
-            client = dist.TCPStore("127.0.0.1", job.port, 1, False, datetime.timedelta(seconds=30))
-            keys = JoinKeys(CountingStore(client), 0, "")
-            until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
-            lost = job.respawn(3, 1)
-            joiner = until("the joiner announced", lambda: announcement_of(keys, lost.popen.pid), timeout=180)
-            # Two beats of the joiner's monitor on its seat's counter (seat 3's own monitor is gone).
-            counter = monitor_heartbeat_key(0, 3)
-            first = int(keys.counted.peek(counter) or 0)
-            until("the joiner's monitor beats", lambda: int(keys.counted.peek(counter) or 0) >= first + 2)
-            assert keys.read_outcome(joiner.token) is None  # it waits
-            os.killpg(lost.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
-            killed = time.monotonic()
-            outcome = until("the lost joiner withdrawn", lambda: keys.read_outcome(joiner.token), timeout=90)
-            withdrawn_s = time.monotonic() - killed
-            (out / "go").touch()
-            text = finish(job, 240)
-        except BaseException:
-            job.kill()
-            print(job.outputs())
-            raise
-        finally:
-            job.kill()
-        assert_nothing_left(job)
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        client = dist.TCPStore("127.0.0.1", job.port, 1, False, datetime.timedelta(seconds=30))
+        keys = JoinKeys(CountingStore(client), 0, "")
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        lost = job.respawn(3, 1)
+        joiner = until("the joiner announced", lambda: announcement_of(keys, lost.popen.pid), timeout=180)
+        # Two beats of the joiner's monitor on its seat's counter (seat 3's own monitor is gone).
+        counter = monitor_heartbeat_key(0, 3)
+        first = int(keys.counted.peek(counter) or 0)
+        until("the joiner's monitor beats", lambda: int(keys.counted.peek(counter) or 0) >= first + 2)
+        assert keys.read_outcome(joiner.token) is None  # it waits
+        os.killpg(lost.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
+        killed = time.monotonic()
+        outcome = until("the lost joiner withdrawn", lambda: keys.read_outcome(joiner.token), timeout=90)
+        withdrawn_s = time.monotonic() - killed
+        (out / "go").touch()
+        text = finish(job, 240)
     assert isinstance(outcome, Outcome) and outcome.kind == "gone", outcome
     assert "its node is lost" in outcome.why and "sent no heartbeat" in outcome.why, outcome
     assert withdrawn_s < 6 + 30, withdrawn_s  # heartbeat_timeout, a few intervals, a loaded machine
@@ -133,18 +142,10 @@ def test_a_joiner_that_dies_admitted_before_its_seat_moved_is_counted_out_at_onc
     plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
             "kill_admitted": True,
             "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1}]}
-    with LocalJob([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
-        try:
-            until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
-            doomed = job.respawn(3, 1)
-            text = finish(job, 260)
-        except BaseException:
-            job.kill()
-            print(job.outputs())
-            raise
-        finally:
-            job.kill()
-        assert_nothing_left(job)
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        doomed = job.respawn(3, 1)
+        text = finish(job, 260)
     logs = read_logs(out)
     killers = [name for name, log in logs.items() if log.get("killed_admitted")]
     assert len(killers) == 1 and logs[killers[0]]["killed_admitted"] == [doomed.popen.pid], (killers, text)
@@ -175,28 +176,20 @@ def test_an_admitted_joiner_whose_node_is_lost_is_counted_out_by_the_peers(tmp_p
     plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
             "hold": {"step": 25, "file": "go"}, "monitor_logs": True,
             "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1}]}
-    with LocalJob([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
-        try:
-            until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
-            joiner = job.respawn(3, 1)
-            until("the joiner waits at the hold", lambda: (out / "seat3.life1.json").exists()
-                  and "held_at" in json.loads((out / "seat3.life1.json").read_text()), timeout=240)
-            until("every rank waits at the hold", lambda: all(
-                "held_at" in json.loads((out / f"seat{r}.life0.json").read_text()) for r in (0, 1)))
-            os.killpg(joiner.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
-            killed = time.time()
-            until("the restart without the joiner", lambda: len(
-                json.loads((out / "seat0.life0.json").read_text())["iterations"]) == 4, timeout=120)
-            restarted_s = time.time() - killed
-            (out / "go").touch()
-            text = finish(job, 240)
-        except BaseException:
-            job.kill()
-            print(job.outputs())
-            raise
-        finally:
-            job.kill()
-        assert_nothing_left(job)
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        joiner = job.respawn(3, 1)
+        until("the joiner waits at the hold", lambda: (out / "seat3.life1.json").exists()
+              and "held_at" in json.loads((out / "seat3.life1.json").read_text()), timeout=240)
+        until("every rank waits at the hold", lambda: all(
+            "held_at" in json.loads((out / f"seat{r}.life0.json").read_text()) for r in (0, 1)))
+        os.killpg(joiner.popen.pid, signal.SIGKILL)  # the joiner and its monitor: its node is gone
+        killed = time.time()
+        until("the restart without the joiner", lambda: len(
+            json.loads((out / "seat0.life0.json").read_text())["iterations"]) == 4, timeout=120)
+        restarted_s = time.time() - killed
+        (out / "go").touch()
+        text = finish(job, 240)
     assert joiner.returncode == -signal.SIGKILL, text
     logs = read_logs(out)
     finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
@@ -221,18 +214,10 @@ def test_a_grow_scheduled_when_the_function_returns_leaves_no_keys(tmp_path: pat
     plan = {"steps": 30, "step_s": 0.03, "active": 3, "wrapper": WRAPPER, "grow": {"check_every": 1000},
             "end_after_joiners": 1, "end_safe_points": 1000, "kills": [{"seat": 2, "life": 0, "step": 3}]}
     env = {**job_env(out, plan), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    with LocalJob([str(WORKERS / "join_worker.py")], 3, env=env, port=server.port) as job:
-        try:
-            until("seat 2 killed", lambda: job.ranks[2].popen.poll() is not None)
-            job.respawn(2, 1)
-            text = finish(job, 240)
-        except BaseException:
-            job.kill()
-            print(job.outputs())
-            raise
-        finally:
-            job.kill()
-        assert_nothing_left(job)
+    with join_job([str(WORKERS / "join_worker.py")], 3, env=env, port=server.port) as job:
+        until("seat 2 killed", lambda: job.ranks[2].popen.poll() is not None)
+        job.respawn(2, 1)
+        text = finish(job, 240)
     assert [rp.returncode for rp in job.ranks] == [0, 0, -signal.SIGKILL], text
     assert "grow: 1 joiner(s) wait; the job restarts to take them in at safe point" in text, text[-4000:]
     logs = read_logs(out)
