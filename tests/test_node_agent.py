@@ -170,6 +170,19 @@ class TwoNodes:
     def decide_fn(self, dead, faults, leader):  # type: ignore[no-untyped-def]
         return decide(self.assignment, Membership.all_active(4), dead, faults, 1, leader)
 
+    def node_1_awaits_barrier_1(self) -> tuple[dict[int, str], list[threading.Thread]]:
+        """Ranks 2 and 3 await barrier 1's outcome, each on a thread of its own (started): what
+        each got (the decision's JSON, once its thread ends) and the threads to join."""
+        got: dict[int, str] = {}
+
+        def await_outcome(r: int) -> None:
+            got[r] = self.ranks[r].await_outcome(1, r, 4, timeout=10).to_json()
+
+        threads = [threading.Thread(target=await_outcome, args=(r,)) for r in (2, 3)]
+        for thread in threads:
+            thread.start()
+        return got, threads
+
 
 @pytest.mark.timeout(30)
 def test_the_first_batch_names_its_lowest_slot_leader_and_the_last_sets_ready():
@@ -205,13 +218,7 @@ def test_a_rank_whose_agent_vanished_counts_itself_unless_the_agent_had():
     t.relays[0].forward(t.relay_protocols[0])  # node 0 forwarded (and leads) ...
     t.boards[1].close()  # ... node 1's agent is gone before forwarding
     # Node 1's ranks count themselves directly (then wait for the decision in the store).
-    got: dict[int, str] = {}
-    threads = [
-        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json()))
-        for r in (2, 3)
-    ]
-    for thread in threads:
-        thread.start()
+    got, threads = t.node_1_awaits_barrier_1()
     decision = t.ranks[0].await_outcome(1, 0, 4, decide=t.decide_fn, timeout=10)  # waits for their count
     for thread in threads:
         thread.join(10)
@@ -258,13 +265,7 @@ def test_a_rank_whose_agent_took_its_seat_and_vanished_counts_itself_once():
     t.relays[0].forward(t.relay_protocols[0])
     assert t.relay_protocols[1].take_seats(1, [(2, 0), (3, 0)]) == [True, True]
     t.boards[1].close()
-    got: dict[int, str] = {}
-    threads = [
-        threading.Thread(target=lambda r=r: got.__setitem__(r, t.ranks[r].await_outcome(1, r, 4, timeout=10).to_json()))
-        for r in (2, 3)
-    ]
-    for thread in threads:
-        thread.start()
+    got, threads = t.node_1_awaits_barrier_1()
     decision = t.ranks[0].await_outcome(1, 0, 4, decide=t.decide_fn, timeout=10)
     for thread in threads:
         thread.join(10)
