@@ -267,6 +267,37 @@ def test_compare_set_many_answers_as_the_same_compare_sets_one_after_another(
 
 
 @pytest.mark.timeout(60)
+def test_compare_set_many_reads_large_answers_between_small_ones(ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
+    """A compare_set that fails answers the value held: one far larger than a read chunk, between small
+    answers of the same batch, comes back whole and the answers after it stay in step."""
+    big = bytes(range(256)) * 1024  # 256 KiB: several reads of the socket
+    theirs.set("cs/big", big)
+    theirs.set("cs/small", "s")
+    _flush(theirs)
+    answers = ours.compare_set_many([("cs/a", "", "x"), ("cs/big", "not it", "y"), ("cs/small", "s", "t"),
+                                     ("cs/big", "nor this", "z"), ("cs/b", "", "w")])
+    assert answers == [b"x", big, b"t", big, b"w"]
+    assert ours.get("cs/small") == b"t" and ours.add("cs/n", 2) == 2  # in step afterwards
+
+
+@pytest.mark.timeout(60)
+def test_wait_get_times_out_on_its_own_timeout(ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
+    """wait_get's timeout bounds its wait, the store timeout is left as it was, the connection stays usable."""
+    before = ours.timeout
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError):
+        ours.wait_get("wg/missing", 0.2)
+    assert 0.15 < time.monotonic() - start < 2.0
+    assert ours.timeout == before
+    thread, out = _in_thread(lambda: ours.wait_get("wg/late", timedelta(seconds=10)))
+    time.sleep(0.1)
+    theirs.set("wg/late", "here")
+    thread.join(5)
+    assert out.get("value") == b"here", out
+    assert ours.add("wg/n", 1) == 1
+
+
+@pytest.mark.timeout(60)
 def test_check_delete_num_keys(ours: TCPStoreClient, theirs: dist.TCPStore) -> None:
     assert ours.num_keys() == theirs.num_keys()
     ours.set("x", "1")

@@ -112,9 +112,13 @@ class Terms:
 
     def saw(self, barrier: int, term: int) -> None:
         """Term ``term`` of ``barrier`` exists (its outcome was read or written here)."""
-        if term > self._last_term.get(barrier, -1):
-            self._last_term[barrier] = term
-        newest = max(self._last_term)
+        known = self._last_term.get(barrier)
+        if known is not None:
+            if term > known:
+                self._last_term[barrier] = term
+            return
+        self._last_term[barrier] = term
+        newest = max(self._last_term)  # only where a barrier is new: the others were pruned against it already
         for old in [b for b in self._last_term if b <= newest - _REMEMBERED_BARRIERS]:
             del self._last_term[old]
 

@@ -237,12 +237,15 @@ class RestartProtocol:
         Then the value is not read: one ``wait`` (one request on the wire)
         instead of a blocking ``get`` (two).
         """
-        key = self.key(iteration, "event")
         what = f"iteration {iteration} outcome"
         if self.link is not None:
+            posted = self.link.wait_event(iteration, 0.0)  # posted already: no chunked wait to set up
+            if posted >= 0:
+                return COMPLETE if posted == 1 else RESTART
             value = self._wait_event_on_board(self.link, iteration, timeout, what, cancelled)
             if value is not None:
                 return value
+        key = self.key(iteration, "event")
         if only_restart is not None:
             self.counted.wait_key(key, timeout, what, cancelled=cancelled)
             if only_restart():
@@ -569,8 +572,10 @@ class RestartProtocol:
             outcome = link.wait_outcome(iteration, seconds)
             return outcome if outcome in (OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED) else None
 
-        outcome = wait_in_chunks(attempt, deadline, f"barrier {iteration} decision", "node board",
-                                 chunk_s=NODE_POLL_S, go_on=link.alive)
+        outcome = attempt(0.0)  # posted already: no chunked wait to set up
+        if outcome is None:
+            outcome = wait_in_chunks(attempt, deadline, f"barrier {iteration} decision", "node board",
+                                     chunk_s=NODE_POLL_S, go_on=link.alive)
         if outcome == OUTCOME_LEAD:
             return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=True)
         if outcome == OUTCOME_DECIDED:

@@ -50,7 +50,8 @@ class Seat:
 
 
 def healthy(barrier: int, life: int = 0) -> str:
-    return Seat(barrier, life).encode()
+    # Seat(barrier, life).encode(), without the object: a node agent writes one per rank and barrier.
+    return str(barrier) if life == 0 else f"{barrier}@{life}"
 
 
 def counted_out(barrier: int, who: str, life: int = 0) -> str:

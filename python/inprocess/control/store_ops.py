@@ -250,8 +250,23 @@ class CountingStore:
         """The value of ``key`` once it exists: one blocking ``get`` per chunk.
 
         Same contract as :meth:`wait_key` followed by a ``get``, one request
-        fewer. A store without ``set_timeout`` gets ``wait`` then ``get``.
+        fewer. A store without ``set_timeout`` gets ``wait`` then ``get``. A
+        :class:`~inprocess.control.tcpstore_client.TCPStoreClient` waits each
+        chunk with ``wait_get`` and keeps its timeout.
         """
+        wait_get = getattr(self.raw, "wait_get", None)
+        if wait_get is not None:
+
+            def attempt_within(seconds: float) -> Optional[bytes]:
+                self._count(2)
+                try:
+                    return bytes(wait_get(key, seconds))
+                except Exception as e:
+                    if not is_timeout(e):
+                        raise
+                    return None
+
+            return wait_in_chunks(attempt_within, Deadline(timeout), what, f"key {key}", cancelled=cancelled)
         set_timeout = getattr(self.raw, "set_timeout", None)
         if set_timeout is None:
             self.wait_key(key, timeout, what, cancelled=cancelled)

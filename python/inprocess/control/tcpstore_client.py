@@ -60,7 +60,6 @@ from .tcpstore_wire import (
     CHECK,
     CHECK_NOT_READY,
     CHECK_READY,
-    COMPARE_SET,
     DELETE_KEY,
     GET,
     GETNUMKEYS,
@@ -83,6 +82,7 @@ from .tcpstore_wire import (
     WAIT,
     WAIT_CANCELED,
     Value,
+    encode_compare_set,
     encode_key,
     encode_key_list,
     encode_string,
@@ -220,8 +220,19 @@ class TCPStoreClient:
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it to exist up to the store timeout (like torch)."""
-        wait = self._wait_request([key])
-        request = bytes((GET,)) + encode_string(encode_key(key))
+        return self.wait_get(key, self._timeout)
+
+    def wait_get(self, key: str, timeout: Timeout) -> bytes:
+        """The value of ``key``, waiting at most ``timeout`` for it to exist
+        (:class:`StoreTimeoutError` after that); the store timeout still bounds each reply.
+
+        ``get`` with a timeout of its own: a waiter that wakes every few seconds
+        to look around needs no ``set_timeout`` (two system calls) per wait.
+        """
+        seconds = _seconds(timeout, "timeout")
+        key_bytes = encode_string(encode_key(key))
+        wait = bytes((WAIT,)) + U64.pack(1) + key_bytes
+        request = bytes((GET,)) + key_bytes
 
         def body(deadline: float) -> bytes:
             self._wait_exchange(wait, deadline, "get", key)
@@ -229,7 +240,7 @@ class TCPStoreClient:
             self._send(request, reply_deadline)
             return self._recv_vector(reply_deadline)
 
-        return self._run("get", key, self._timeout, body)
+        return self._run("get", key, seconds, body)
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer stored at ``key`` (0 when missing); returns the sum."""
@@ -246,8 +257,7 @@ class TCPStoreClient:
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (see :mod:`.tcpstore_wire` for a missing key)."""
-        request = (bytes((COMPARE_SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(expected))
-                   + encode_string(encode_value(desired)))
+        request = encode_compare_set(key, expected, desired)
         return self._run("compare_set", key, self._timeout, self._request_vector, request)
 
     def compare_set_many(self, items: Sequence[tuple[str, Value, Value]]) -> list[bytes]:
@@ -262,19 +272,17 @@ class TCPStoreClient:
         blocking sends (torch's legacy backend) and stops reading while this
         client's receive buffer is full cannot leave a batch half sent.
         """
-        requests = [bytes((COMPARE_SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(expected))
-                    + encode_string(encode_value(desired)) for key, expected, desired in items]
-        keys = [key for key, _, _ in items]
+        requests = [encode_compare_set(key, expected, desired) for key, expected, desired in items]
 
         def body(deadline: float) -> list[bytes]:
             out: list[bytes] = []
             for start in range(0, len(requests), PIPELINE_BATCH):
                 batch = requests[start:start + PIPELINE_BATCH]
                 self._send(b"".join(batch), deadline)
-                out.extend(self._recv_vector(deadline) for _ in batch)
+                out.extend(self._recv_vectors(len(batch), deadline))
             return out
 
-        return self._run("compare_set_many", keys[:3], self._timeout, body)
+        return self._run("compare_set_many", [key for key, _, _ in items[:3]], self._timeout, body)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists, without waiting."""
@@ -567,6 +575,37 @@ class TCPStoreClient:
         if size > MAX_VALUE_BYTES * 64:
             raise StoreProtocolError(f"a reply of {size} bytes from {self.address}: not a torch TCPStore server?")
         return self._recv_exact(size, deadline) if size else b""
+
+    def _recv_vectors(self, count: int, deadline: float) -> list[bytes]:
+        """``count`` replies of one pipelined batch, parsed where they lie in the buffer."""
+        buf = self._rbuf
+        out: list[bytes] = []
+        pos = 0
+        while len(out) < count:
+            have = len(buf) - pos
+            if have >= 8:
+                size = U64.unpack_from(buf, pos)[0]
+                if size > _RECV_CHUNK:  # a large value: read the general way (which checks its size)
+                    del buf[:pos]
+                    pos = 0
+                    out.append(self._recv_vector(deadline))
+                    continue
+                if have >= 8 + size:
+                    out.append(bytes(buf[pos + 8:pos + 8 + size]))
+                    pos += 8 + size
+                    continue
+            self._fill(deadline)
+        del buf[:pos]
+        return out
+
+    def _fill(self, deadline: float) -> None:
+        """Append what the socket has to the buffer (at least one byte)."""
+        if time.monotonic() > deadline:
+            raise socket.timeout("deadline passed")
+        chunk = self._sock.recv(_RECV_CHUNK)  # type: ignore[union-attr]
+        if not chunk:
+            raise self._eof()
+        self._rbuf += chunk
 
     def _request_vector(self, request: bytes, deadline: float) -> bytes:
         self._send(request, deadline)

@@ -80,6 +80,9 @@ U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+# A str of at most this many characters encodes to at most 4x as many bytes: below MAX_VALUE_BYTES.
+_SHORT_STR = MAX_VALUE_BYTES // 4
+_COMPARE_SET_BYTE = bytes((COMPARE_SET,))
 
 
 def encode_key(key: str) -> bytes:
@@ -92,6 +95,8 @@ def encode_key(key: str) -> bytes:
 
 
 def encode_value(value: Value) -> bytes:
+    if type(value) is str and len(value) <= _SHORT_STR:  # the common case, checked without encoding twice
+        return value.encode()
     if isinstance(value, str):
         raw = value.encode()
     elif isinstance(value, (bytes, bytearray, memoryview)):
@@ -105,6 +110,12 @@ def encode_value(value: Value) -> bytes:
 
 def encode_string(raw: bytes) -> bytes:
     return U64.pack(len(raw)) + raw
+
+
+def encode_compare_set(key: str, expected: Value, desired: Value) -> bytes:
+    """One COMPARE_SET request (a node agent sends a node's seats as a batch of these)."""
+    k, e, d = encode_key(key), encode_value(expected), encode_value(desired)
+    return b"".join((_COMPARE_SET_BYTE, U64.pack(len(k)), k, U64.pack(len(e)), e, U64.pack(len(d)), d))
 
 
 def encode_key_list(keys: Iterable[str], what: str) -> tuple[list[str], bytes]:
