@@ -202,6 +202,38 @@ def test_an_admitted_joiner_whose_node_is_lost_is_counted_out_by_the_peers(tmp_p
     assert restarted_s < 60, restarted_s  # heartbeat_timeout 6 s, barrier_timeout 150 s
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_admitted_joiner_that_dies_before_its_process_group_exists_costs_one_restart(
+        tmp_path: pathlib.Path) -> None:
+    """4 active seats. Seat 3 is SIGKILLed, its replacement waits, seat 2 is SIGKILLed: the restart
+    admits the joiner into seat 3. The joiner SIGKILLs itself at the start of its first iteration,
+    before init_process_group, while the others wait in theirs for its address: they are released
+    by the restart its monitor starts (not by pg_timeout, 150 s, or hard_timeout, 120 s), and the
+    job ends with seats 0 and 1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
+            "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1},
+                      {"seat": 3, "life": 1, "step": "init"}]}
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        joiner = job.respawn(3, 1)
+        text = finish(job, 240)
+    assert joiner.returncode == -signal.SIGKILL, text
+    logs = read_logs(out)
+    assert logs["seat3.life1"]["killed_at"] == "init", text
+    finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
+    assert sorted(finishers) == ["seat0.life0", "seat1.life0"], (sorted(finishers), text)
+    assert len({json.dumps(r["params"]) for r in finishers.values()}) == 1
+    restarts = finishers["seat0.life0"]["restarts"]
+    assert [r["terminated"] for r in restarts] == [[3], [2], [3]], restarts
+    assert [r["joined"] for r in restarts] == [[], [3], []], restarts
+    died = logs["seat3.life1"]["iterations"][0]["t"]  # written just before it killed itself
+    starts = {entry["iteration"]: entry["t"] for entry in logs["seat0.life0"]["iterations"]}
+    assert starts[restarts[2]["iteration"] + 1] - died < 30, (starts, died)
+
+
 @pytest.mark.timeout(300)
 def test_a_grow_scheduled_when_the_function_returns_leaves_no_keys(tmp_path: pathlib.Path) -> None:
     """3 active seats, GrowPolicy(check_every=1000). Seat 2 is SIGKILLed; its replacement waits.

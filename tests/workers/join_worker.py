@@ -4,7 +4,8 @@ Configured by environment variables (the tests set them):
   INPROCESS_TEST_OUT      directory for this process's JSON result, seat<r>.life<k>.json
   INPROCESS_TEST_PLAN     JSON: {"steps": 60, "step_s": 0.02, "active": 4 (MaxActiveWorldSize; absent: all),
                           "kills": [{"seat": 1, "life": 0, "step": 10}, {"active_rank": 2, "step": 20,
-                          "after_joiners": 1}], "end_after_joiners": 1, "until_world": 4,
+                          "after_joiners": 1}, {"seat": 3, "life": 1, "step": "init"} (before its
+                          process group)], "end_after_joiners": 1, "until_world": 4,
                           "steps_at_full": 20 (with until_world: at least this many steps once the world
                           is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
                           "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
@@ -253,6 +254,11 @@ def train(call_wrapper: inprocess.CallWrapper = None):
                               "active_world_size": state.active_world_size, "world_size": state.world_size,
                               "start_step": step, "t": time.time()})
     write_log()
+    kill = kill_here("init", state.active_rank)  # a kill with "step": "init" fires before the group exists
+    if kill is not None:
+        log["killed_at"] = "init"
+        write_log()
+        os.kill(os.getpid(), 9)
     dist.init_process_group("gloo", store=call_wrapper.store, rank=state.active_rank,
                             world_size=state.active_world_size, timeout=td(PLAN.get("pg_timeout", 30)))
     # Every rank must resume at the same step: the checkpoint is the one truth.
