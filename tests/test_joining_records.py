@@ -61,10 +61,33 @@ def test_before_barrier_is_empty_only_for_the_first_life_at_barrier_0() -> None:
     assert seats.before_barrier(3, 2) == "2@2"
 
 
-@pytest.mark.parametrize("value", ["admitted:3:1:2", "refused:seat 9", "gone:died", "closed:the job ended"])
+@pytest.mark.parametrize("value", ["admitted/0a1b2c3d:3:1:2", "refused/ff:seat 9", "gone/1:died: a/b:c",
+                                   "closed/x:the job ended"])
 def test_outcomes_round_trip(value: str) -> None:
     outcome = Outcome.parse(value)
     assert outcome is not None and outcome.encode() == value
+
+
+def test_two_writers_of_the_same_outcome_count_the_joiner_resolved_once(protocol: RestartProtocol) -> None:
+    """Two live leaders admit the same joiner (a leader taken for lost that was not), two monitors
+    withdraw the same one: the same outcome, written twice; the store's compare_set answers both the
+    value held, and only the writer whose write it is counts the joiner resolved."""
+    p = protocol
+    k = keys_of(p)
+    for token, seat in (("a", 1), ("b", 2), ("c", 3)):
+        k.announce(Announcement(token, seat, "h", seat, CONFIG))
+    assert k.waiting() == 3
+    first, second = Outcome("admitted", 2, 1, 1), Outcome("admitted", 2, 1, 1)
+    assert first == second and first.encode() != second.encode()  # the same outcome, two writes
+    with joining.Pipe(p.counted) as pipe:
+        assert k.resolve_many([("a", first)], pipe) == [first]
+    with joining.Pipe(p.counted) as pipe:
+        held = k.resolve_many([("a", second)], pipe)
+    assert held == [first] and held[0].by == first.by  # the first write holds
+    assert k.waiting() == 2  # counted once: before the writer tag, 1
+    assert k.resolve("b", Outcome("gone", why="died")).kind == "gone"
+    assert k.resolve("b", Outcome("gone", why="died")).kind == "gone"
+    assert k.waiting() == 1
 
 
 @pytest.mark.parametrize("value", ["maybe:x", "admitted:1:2", "admitted:a:b:c"])

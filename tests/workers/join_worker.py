@@ -136,7 +136,7 @@ def kill_the_admitted(enabled):
     def then_kill(self, items):
         values = original(self, items)
         admitted = [key.rsplit("/", 1)[1] for (key, _, desired), value in zip(items, values, strict=True)
-                    if desired.startswith("admitted:") and value.decode() == desired]
+                    if desired.startswith("admitted/") and value.decode() == desired]
         if not admitted:
             return values
         try:

@@ -16,11 +16,12 @@ waits, monitored, on a key of its own until a leader resolves it:
                          which leading lines need no look any more
 ``joiner/<token>``       the joiner's record: ``pending`` from before its
                          announcement on, then its outcome, written once
-                         (compare_set on ``pending``: the first writer wins):
-                         ``admitted:<b>:<seat>:<life>``, ``refused:<why>``,
-                         ``gone:<why>`` (the joiner, its monitor or, its
+                         (compare_set on ``pending``: the first writer wins;
+                         ``/w`` tags the writer, :class:`Outcome`):
+                         ``admitted/w:<b>:<seat>:<life>``, ``refused/w:<why>``,
+                         ``gone/w:<why>`` (the joiner, its monitor or, its
                          node lost, a peer's monitor withdrew it) or
-                         ``closed:<why>`` (the job ended)
+                         ``closed/w:<why>`` (the job ended)
 ``joiner/<token>/told``  the outcome again, for the waiting joiner: written
                          by whoever resolved it on its behalf (a leader, the
                          job's end, a peer's monitor), with one ``multi_set``
@@ -166,36 +167,50 @@ class Announcement:
         return cls(token, seat, host, pid, config, keys)
 
 
+def _writer_tag() -> str:
+    return secrets.token_hex(4)
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """A joiner's outcome, parsed."""
+    """A joiner's outcome, parsed.
+
+    ``by`` tags the write (``<kind>/<by>:...``, random per outcome made): the
+    compare_set that writes an outcome answers the value written both to the
+    writer that won and to another that wrote the same outcome (two live
+    leaders admitting the same joiner, two monitors withdrawing it), and only
+    the winner may count the joiner resolved. Outcomes compare without it.
+    """
 
     kind: str  # one of ADMITTED, REFUSED, GONE, CLOSED
     barrier: int = -1  # ADMITTED: the barrier whose decision admits it
     seat: int = -1
     life: int = 0
     why: str = ""
+    by: str = dataclasses.field(default_factory=_writer_tag, compare=False)
 
     def encode(self) -> str:
         if self.kind == ADMITTED:
-            return f"{ADMITTED}:{self.barrier}:{self.seat}:{self.life}"
-        return f"{self.kind}:{self.why[:MAX_MESSAGE]}"
+            return f"{ADMITTED}/{self.by}:{self.barrier}:{self.seat}:{self.life}"
+        return f"{self.kind}/{self.by}:{self.why[:MAX_MESSAGE]}"
 
     @classmethod
     def parse(cls, value: str) -> Optional["Outcome"]:
         """None for a pending joiner (:data:`PENDING`)."""
         if value == PENDING:
             return None
-        kind, _, rest = value.partition(":")
+        head, _, rest = value.partition(":")
+        kind, _, by = head.partition("/")
         if kind not in _OUTCOMES:
             raise InternalError(f"joiner outcome {value[:120]!r}: expected one of {', '.join(_OUTCOMES)}")
         if kind != ADMITTED:
-            return cls(kind, why=rest)
+            return cls(kind, why=rest, by=by)
         try:
             barrier, seat, life = (int(v) for v in rest.split(":"))
         except ValueError:
-            raise InternalError(f"joiner outcome {value[:120]!r}: expected admitted:<barrier>:<seat>:<life>") from None
-        return cls(kind, barrier, seat, life)
+            raise InternalError(
+                f"joiner outcome {value[:120]!r}: expected admitted/<writer>:<barrier>:<seat>:<life>") from None
+        return cls(kind, barrier, seat, life, by=by)
 
 
 def config_difference(job: dict[str, str], joiner: dict[str, str]) -> Optional[str]:
@@ -528,10 +543,11 @@ def admit(
             outcomes.append(Outcome.parse(value))
 
     admitted: dict[int, tuple[int, int, Announcement]] = {}  # seat -> (life, line, joiner)
+    earlier: list[tuple[str, Outcome]] = []  # (token, its record) admitted by a leader of this barrier lost since
     for (index, a), outcome in zip(pending, outcomes, strict=True):
         if outcome is not None and outcome.kind == ADMITTED and outcome.barrier == barrier:
-            admitted[outcome.seat] = (outcome.life, index, a)  # by a leader of this barrier lost before its decision
-    earlier = dict(admitted)
+            admitted[outcome.seat] = (outcome.life, index, a)
+            earlier.append((a.token, outcome))
     taken = set(admitted)
     writes: list[tuple[int, Announcement, Outcome]] = []
     still_open: list[int] = []  # lines a later barrier must look at again
@@ -559,7 +575,7 @@ def admit(
                 admitted[outcome.seat] = (outcome.life, index, a)
             # else resolved for good: refused here, or withdrawn before this leader's write
         # Admitted by a leader lost before its decision, perhaps before it told them.
-        keys.tell([(a.token, Outcome(ADMITTED, barrier, seat, life)) for seat, (life, _, a) in earlier.items()])
+        keys.tell(earlier)
         _move_seats(keys, pipe, barrier, {seat: life for seat, (life, _, _) in admitted.items()}, seat_key,
                     seat_values)
     for seat, (_, _, a) in sorted(admitted.items()):
