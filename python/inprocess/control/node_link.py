@@ -104,6 +104,9 @@ class NodeBoardLink(Protocol):
     def forwarded(self) -> int:
         """The last barrier the agent counted this rank at, -1 if none."""
 
+    def posted(self) -> int:
+        """The barrier of the latest arrival in this rank's slot (by whichever process of the slot), -1 if none."""
+
     def leads(self) -> int:
         """The last barrier this rank was named to lead, -1 if none."""
 
@@ -189,6 +192,10 @@ class NodeLink:
 
     def forwarded(self) -> int:
         return int(self.board.forwarded(self.slot))
+
+    def posted(self) -> int:
+        arrival = self.board.slot_arrival(self.slot)
+        return -1 if arrival is None else int(arrival[0])
 
     def leads(self) -> int:
         return int(self.board.leads(self.slot))
