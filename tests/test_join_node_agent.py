@@ -23,14 +23,16 @@ from conftest import WORKERS
 from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control import seats
-from inprocess.control.joining import JoinKeys
+from inprocess.control.joining import ADMITTED, JoinKeys, Outcome
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink, socket_name
 from inprocess.control.protocol import Decision, RestartProtocol, SeatTaken
 from inprocess.control.store_ops import CountingStore
+from inprocess.engine import join
 from inprocess.launch import LocalJob
 from inprocess.processes.node_agent import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
+from inprocess.state import State
 from test_join_liveness import WRAPPER, announcement_of, finish, job_env, join_job, read_logs, until
 
 # -- one node's board and relay, in this process, over a real TCPStore --------------------------
@@ -153,6 +155,75 @@ def test_a_joiner_whose_arrival_the_old_process_overwrote_posts_it_again() -> No
     assert node.server.add(node.rank0.key(4, "arrivals"), 0) == 2
 
 
+@pytest.mark.timeout(30)
+def test_the_board_wait_for_news_wakes_on_a_later_decision_or_event_only() -> None:
+    """NodeBoard.wait_news: what a waiting joiner sleeps on (the notice futex, across threads here)."""
+    board = _native.NodeBoard.create(2, 4096)
+    assert board.wait_news(-1, -1, 0.05) == -1  # nothing posted: times out
+    board.post_decision(3, b"{}")
+    board.post_event(3, False)  # event word 6
+    assert board.wait_news(-1, 6, 0) == 1 and board.wait_news(3, -1, 0) == 1
+    board.set_leader(0, 4)  # a post that is neither: no news
+    assert board.wait_news(3, 6, 0.05) == -1
+    woke: list[tuple[int, float]] = []
+    start = time.monotonic()
+    thread = threading.Thread(target=lambda: woke.append((board.wait_news(3, 6, 20), time.monotonic() - start)))
+    thread.start()
+    time.sleep(0.3)
+    board.post_decision(4, b"{}")
+    thread.join(20)
+    assert woke and woke[0][0] == 1 and 0.3 <= woke[0][1] < 10, woke
+    with pytest.raises(ValueError, match="decision_after -2"):
+        board.wait_news(-2, 0, 0)
+    with pytest.raises(ValueError, match="event_after -2"):
+        board.wait_news(0, -2, 0)
+    board.close()
+    assert board.wait_news(100, 100, 5) == -2  # closed: at once
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_joiner_reads_its_record_once_per_board_news_and_takes_the_admitting_decision_from_it() -> None:
+    """A joiner linked to its node's board waits for its admission without store calls while the
+    board holds no news (no read for 3 s: a store wait reads twice a second); a posted event costs
+    it one read of its record; its admission, told at the store and decided on the board only, costs
+    one read more, and the decision it returns is the board's (the store never held one)."""
+    node = OneNode()
+    joiner = node.joiner
+    joiner.life = 0  # not admitted yet: it learns its life from its admission
+    keys = JoinKeys(CountingStore(node.client()), joiner.call, joiner.incarnation)
+    keys.name_running_incarnation()
+    node.server.set(node.rank0.seat_key(1), "t2:m1")  # free: counted out at barrier 2
+    assert node.server.check([node.rank0.seat_key(1)])
+    node.board.post_event(2, False)  # the restart after iteration 2 is under way
+    state = State(rank=1, world_size=2)
+    got: list[Decision] = []
+    thread = threading.Thread(target=lambda: got.append(join.wait_for_admission(
+        joiner, state, "host-42-beef", {"function": "f"}, None, stamp=lambda: None, timeout=20)))
+    thread.start()
+    try:
+        token = until("the joiner announced", lambda: next(
+            (a.token for _, a in keys.pending()[1] if a.token == "host-42-beef"), None), timeout=20)
+        time.sleep(0.5)  # past its first read of its record
+        calls = joiner.counted.calls
+        time.sleep(3)
+        assert joiner.counted.calls == calls  # nothing on the board: no store call
+        node.board.post_event(3, False)  # the next restart: one look at its record
+        until("the joiner's look", lambda: joiner.counted.calls == calls + 1, timeout=10)
+        time.sleep(1.5)
+        assert joiner.counted.calls == calls + 1
+        admitted = Outcome(ADMITTED, barrier=4, seat=1, life=1)
+        assert keys.resolve(token, admitted) == admitted
+        keys.tell([(token, admitted)])
+        decision = node.decide_fn(4)(set(), [], 0)
+        node.board.post_decision(4, decision.to_json().encode())
+        thread.join(20)
+    finally:
+        node.board.close()  # a joiner still waiting goes to the store, which ends its wait
+        thread.join(30)
+    assert [d.to_json() for d in got] == [decision.to_json()]
+    assert joiner.life == 1 and joiner.counted.calls == calls + 2  # its record, read once more
+
+
 # -- a real job: 2 nodes x 2 ranks, node agents, SIGKILLed ranks, replacements that join -----------
 
 JOB_WRAPPER = {**WRAPPER}  # barrier_timeout 150 s: agent_connect_s is min(150, 30) = 30 s
@@ -237,6 +308,7 @@ def test_an_admitted_joiner_arrives_at_every_later_restart_through_its_node_agen
     assert {3, 4} <= counted and max(counted) == 4 and boards[0].forwarded(1) == 4, counted
     joiner = output_of(job, 1, 1)
     assert re.search(r"rank 1: joins through node 0's agent \(pid \d+\), slot 1", joiner), joiner[-3000:]
+    assert re.search(r"rank 1: waiting to join the running job \(token [^)]+\), on node board slot 1", joiner)
     assert "talks to the store directly" not in joiner, joiner[-3000:]
     assert re.search(r"rank 3: joins through node 1's agent", output_of(job, 3, 1)), text
 

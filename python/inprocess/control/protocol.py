@@ -432,6 +432,14 @@ class RestartProtocol:
     def wait_decision(self, iteration: int, timeout: float) -> Decision:
         return self._decided(Decision.from_json(self.wait_decision_raw(iteration, timeout)))
 
+    def decision_on_board(self, iteration: int) -> Optional[Decision]:
+        """Barrier ``iteration``'s decision as the node agent posted it, if it is the board's latest
+        (not too large for it, not a lost mark); None otherwise: then it is read from the store."""
+        posted = self.link.read_decision() if self.link is not None and self.link.alive() else None
+        if posted is None or posted[0] != iteration or posted[1] is None or parse_lost_mark(posted[1]) is not None:
+            return None
+        return self._decided(Decision.from_json(posted[1]))
+
     def _decided(self, decision: Decision) -> Decision:
         """A decision read here, from the store or a node board: its term's keys are known to exist."""
         self.terms.saw(decision.iteration, decision.term)
