@@ -314,6 +314,42 @@ def test_an_admitted_joiner_arrives_at_every_later_restart_through_its_node_agen
 
 
 @pytest.mark.timeout(420)
+def test_a_waiting_joiner_alone_keeps_its_node_agent_which_admits_it_and_counts_it_later(
+        tmp_path: pathlib.Path) -> None:
+    """2 nodes x 2 ranks. Seat 1 is SIGKILLed and its replacement links to node 0's agent and waits;
+    then seat 0, which started that agent, is SIGKILLed: the waiting joiner's link alone keeps the
+    agent running, the restart admits the joiner (its decision relayed by that agent), and when
+    seat 3 is SIGKILLed the agent counts the joiner at that barrier. The job ends with seats 1 and 2,
+    equal parameters, and the agent exits once the joiner left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": JOB_WRAPPER, "pg_timeout": 150,
+            "kills": [{"seat": 1, "life": 0, "step": 5}, {"seat": 0, "life": 0, "step": 12, "after_joiners": 1},
+                      {"seat": 3, "life": 0, "steps_in": 5, "from_iteration": 2}]}
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan), ranks_per_node=2) as job:
+        until("seat 1 killed", lambda: job.ranks[1].popen.poll() is not None)
+        board = attach_board(job, 0)
+        agent = board.agent_pid
+        job.respawn(1, 1)
+        until("seat 0 killed", lambda: job.ranks[0].popen.poll() is not None, timeout=240)
+        until("barrier 3 counted for slot 1", lambda: board.forwarded(1) == 3, timeout=240)
+        assert running(agent), "node 0's agent exited while the joiner was linked to it"
+        text = finish(job, 240)
+        until("node 0's agent exited", lambda: not running(agent), timeout=30)
+    logs = read_logs(out)
+    finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
+    assert sorted(finishers) == ["seat1.life1", "seat2.life0"], (sorted(finishers), text)
+    assert len({json.dumps(r["params"]) for r in finishers.values()}) == 1, text
+    restarts = finishers["seat2.life0"]["restarts"]
+    assert [r["terminated"] for r in restarts] == [[1], [0], [3]], restarts
+    assert [r["joined"] for r in restarts] == [[], [1], []], restarts
+    joiner = output_of(job, 1, 1)
+    assert re.search(r"rank 1: waiting to join the running job \(token [^)]+\), on node board slot 1", joiner)
+    assert "rank 1: admitted at barrier 2 (life 1 of its seat)" in joiner, joiner[-3000:]
+    assert "talks to the store directly" not in joiner, joiner[-3000:]
+
+
+@pytest.mark.timeout(420)
 def test_a_joiner_whose_node_has_no_agent_joins_directly_without_waiting_for_one(tmp_path: pathlib.Path) -> None:
     """2 nodes x 2 ranks. Both ranks of node 1 are SIGKILLed: its agent exits. Seat 3's replacement
     finds no agent on node 1: it says so, starts none, announces itself well within agent_connect_s
