@@ -563,4 +563,23 @@ int NodeBoard::wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, 
   }));
 }
 
+int NodeBoard::wait_news(int64_t decision_after, int64_t event_after, int64_t deadline_ns,
+                         bool return_on_signal) const {
+  if (decision_after < -1 || decision_after > kMaxIndex) {
+    throw std::invalid_argument("decision_after " + std::to_string(decision_after) + " out of range [-1, " +
+                                std::to_string(kMaxIndex) + "]");
+  }
+  if (event_after < -1 || event_after > 2 * kMaxIndex + 1) {
+    throw std::invalid_argument("event_after " + std::to_string(event_after) + " out of range [-1, " +
+                                std::to_string(2 * kMaxIndex + 1) + "]");
+  }
+  const std::shared_ptr<Mapping> m = mapping();
+  BoardHeader& h = *m->header;
+  return static_cast<int>(wait_for(h, h.notice, deadline_ns, return_on_signal, [&](uint32_t) -> int64_t {
+    if (h.decision_barrier.load(std::memory_order_acquire) > decision_after) return kNews;
+    if (h.event.load(std::memory_order_acquire) > event_after) return kNews;
+    return kPending;
+  }));
+}
+
 }  // namespace inprocess

@@ -119,6 +119,7 @@ class NodeBoard {
   static constexpr int kLeader = 1;    // wait_outcome: the slot leads the barrier
   static constexpr int kDecided = 2;   // wait_outcome: a decision for the barrier (or a later one) is posted
   static constexpr int kRefused = 3;   // wait_outcome: the agent could not take the slot's seat
+  static constexpr int kNews = 1;      // wait_news: a later decision or event is posted
   static constexpr int64_t kMaxInitialRank = (int64_t{1} << 31) - 2;
   static constexpr int64_t kMaxLife = (int64_t{1} << 30) - 1;
   static constexpr int kTimeout = -1;
@@ -199,6 +200,13 @@ class NodeBoard {
   // first), `slot` leads `barrier` (kLeader) or the posted decision is for
   // `barrier` or later (kDecided); kTimeout; kClosed.
   int wait_outcome(int64_t slot, int64_t barrier, int64_t deadline_ns, bool return_on_signal = false) const;
+  // Until the posted decision's barrier exceeds `decision_after` or the event
+  // word exceeds `event_after` (each >= -1: -1 is "nothing posted yet"):
+  // kNews; kTimeout; kClosed. What a process waiting to join the job looks at
+  // its record for: it is resolved only by a restart's leader, whose decision
+  // follows, or by the job's end.
+  int wait_news(int64_t decision_after, int64_t event_after, int64_t deadline_ns,
+                bool return_on_signal = false) const;
 
   // The mapping and the views into it; shared with every wait in flight.
   struct Mapping;

@@ -125,7 +125,16 @@ void register_node_board(py::module_& m) {
             return wait_releasing_gil([&] { return b.wait_outcome(slot, barrier, deadline, true); });
           },
           py::arg("slot"), py::arg("barrier"), py::arg("timeout_s"),
-          "1 the slot leads the barrier, 2 a decision for it is posted, 3 its seat was refused, -1 timeout, -2 closed.");
+          "1 the slot leads the barrier, 2 a decision for it is posted, 3 its seat was refused, -1 timeout, -2 closed.")
+      .def(
+          "wait_news",
+          [](const NodeBoard& b, int64_t decision_after, int64_t event_after, double timeout_s) {
+            const int64_t deadline = board_deadline(timeout_s);
+            return wait_releasing_gil([&] { return b.wait_news(decision_after, event_after, deadline, true); });
+          },
+          py::arg("decision_after"), py::arg("event_after"), py::arg("timeout_s"),
+          "1 once a decision after barrier `decision_after` or an event word above `event_after` is posted "
+          "(-1: nothing yet), -1 timeout, -2 closed.");
 }
 
 }  // namespace inprocess::bindings

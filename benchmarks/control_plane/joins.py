@@ -18,7 +18,11 @@ With K joiners a job's restarts go in threes (cycle c = restart // 3):
   decision); the barrier's leader runs the real ``joining.admit`` and applies
   ``Membership.with_joined`` (each joiner ranked where its seat stands)
   before the rank assignment, as ``CallWrapper._decide`` does. From the next iteration on each admitted
-  process is the simulated rank of its seat again, in its seat's next life;
+  process is the simulated rank of its seat again, in its seat's next life: in node mode linked to its
+  seat's node board, as the library's joiner is to its node's running agent (``engine/runtime.py``), so
+  its later restarts cost the store nothing of its own. (The library's joiner also waits for its
+  admission on that board; the simulated ones wait at the store: in the admit restart, where they
+  announce just before the fault, both make about the same calls);
 * restart 3c+2, **plain**: one fault, no joiner: the baseline, in the same job
   at about the same world size.
 

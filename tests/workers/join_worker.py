@@ -5,7 +5,9 @@ Configured by environment variables (the tests set them):
   INPROCESS_TEST_PLAN     JSON: {"steps": 60, "step_s": 0.02, "active": 4 (MaxActiveWorldSize; absent: all),
                           "kills": [{"seat": 1, "life": 0, "step": 10}, {"active_rank": 2, "step": 20,
                           "after_joiners": 1}, {"seat": 3, "life": 1, "step": "init"} (before its
-                          process group)], "end_after_joiners": 1, "until_world": 4,
+                          process group), {"seat": 3, "life": 0, "steps_in": 5, "from_iteration": 2,
+                          "at_world": 4} (the 5th step of an iteration >= 2 whose active world is 4)],
+                          "end_after_joiners": 1, "until_world": 4,
                           "steps_at_full": 20 (with until_world: at least this many steps once the world
                           is that large again), "grow": {...} (GrowPolicy's keywords), "pg_timeout": 30,
                           "wrapper": {"soft_timeout": 20, ..., "heartbeat_interval": 1 (absent: the
@@ -185,12 +187,17 @@ def hold_here(step):
         time.sleep(0.05)
 
 
-def kill_here(step, active_rank):
+def kill_here(step, active_rank, start_step=0, iteration=0, world=0):
     """The kill of the plan due here, if any: by seat and life, or by active rank (whoever holds it
     at that step). Each fires once in the whole job (a marker file), also when a restart resumes
-    the job at its step."""
+    the job at its step. A kill with "steps_in" fires at that many steps into an iteration (from
+    "from_iteration" on, of active world "at_world" where given) instead of at a step."""
     for index, k in enumerate(PLAN.get("kills", [])):
-        if k["step"] != step:
+        if "steps_in" in k:
+            if (step == "init" or step - start_step != k["steps_in"] or iteration < k.get("from_iteration", 0)
+                    or world != k.get("at_world", world)):
+                continue
+        elif k["step"] != step:
             continue
         if "active_rank" in k:
             if k["active_rank"] != active_rank:
@@ -249,7 +256,7 @@ def restart_entry(r):
 def train(call_wrapper: inprocess.CallWrapper = None):
     state = call_wrapper.frozen_state
     model, opt = model_and_optimizer()
-    step = load_checkpoint(model, opt)
+    step = start_step = load_checkpoint(model, opt)
     log["iterations"].append({"iteration": call_wrapper.iteration, "active_rank": state.active_rank,
                               "active_world_size": state.active_world_size, "world_size": state.world_size,
                               "start_step": step, "t": time.time()})
@@ -275,7 +282,7 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     while step < last_step or state.active_world_size < PLAN.get("until_world", 0):
         call_wrapper.ping()
         hold_here(step)
-        kill = kill_here(step, state.active_rank)
+        kill = kill_here(step, state.active_rank, start_step, call_wrapper.iteration, state.active_world_size)
         if kill is not None:
             wait_for_joiners(kill.get("after_joiners", 0))
             log["killed_at"] = step

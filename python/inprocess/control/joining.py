@@ -70,7 +70,10 @@ lines and one key per joiner of that seat.
 
 **Cost.** A joiner makes eight store calls (its seat's read, its record, its
 announcement and counter, ``running`` twice, one blocking wait, the read of
-its decision). The leader of a barrier with K joiners to look at makes a
+its decision). Linked to its node's agent, instead of the wait and the
+decision's read: one read of its record per decision or event its node's
+board shows while it waits, one every 10 s besides (``engine/join.py``).
+The leader of a barrier with K joiners to look at makes a
 constant number of round trips, not K: the lines and the mark (2 calls), one
 ``check`` and one ``multi_get`` of every record and every seat asked for,
 the K outcomes' compare_sets pipelined (one round trip, over a connection of

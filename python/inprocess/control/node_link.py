@@ -67,6 +67,7 @@ def socket_name(store_host: str, store_port: int, call: int, node: str, env: Opt
 # What a wait on the board returns besides an answer (see _native.NodeBoard).
 BOARD_TIMEOUT = -1
 BOARD_CLOSED = -2
+BOARD_NEWS = 1  # NodeBoardLink.wait_news: a later decision or event is posted
 # What NodeBoardLink.wait_outcome answers.
 OUTCOME_LEAD = 1  # this rank leads the barrier
 OUTCOME_DECIDED = 2  # the barrier's decision is posted (or too large for the board: read it from the store)
@@ -103,6 +104,16 @@ class NodeBoardLink(Protocol):
 
     def forwarded(self) -> int:
         """The last barrier the agent counted this rank at, -1 if none."""
+
+    def posted(self) -> int:
+        """The barrier of the latest arrival in this rank's slot (by whichever process of the slot), -1 if none."""
+
+    def event(self) -> int:
+        """The board's event word: -1, else 2 * iteration + (1 if it completed)."""
+
+    def wait_news(self, decision_after: int, event_after: int, timeout_s: float) -> int:
+        """BOARD_NEWS once a decision after barrier ``decision_after`` or an event word above
+        ``event_after`` is posted; BOARD_TIMEOUT or BOARD_CLOSED."""
 
     def leads(self) -> int:
         """The last barrier this rank was named to lead, -1 if none."""
@@ -189,6 +200,16 @@ class NodeLink:
 
     def forwarded(self) -> int:
         return int(self.board.forwarded(self.slot))
+
+    def posted(self) -> int:
+        arrival = self.board.slot_arrival(self.slot)
+        return -1 if arrival is None else int(arrival[0])
+
+    def event(self) -> int:
+        return int(self.board.event())
+
+    def wait_news(self, decision_after: int, event_after: int, timeout_s: float) -> int:
+        return int(self.board.wait_news(decision_after, event_after, timeout_s))
 
     def leads(self) -> int:
         return int(self.board.leads(self.slot))

@@ -86,7 +86,7 @@ from .counting_out import count_out
 from .incarnation import call_prefix
 from .joining import JoinKeys
 from .leadership import Terms, decide_barrier, parse_lost_mark
-from .node_link import OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
+from .node_link import BOARD_TIMEOUT, OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
 
@@ -303,8 +303,11 @@ class RestartProtocol:
         """What the seat's compare_set answered ``value`` means: True taken, False counted out by someone else."""
         if value == desired:
             return True
-        if value and seats.parse(value).counted_out:
-            return False
+        if value:
+            seat = seats.parse(value)
+            # Counted out; or counted out and a process joined into the seat since (a later life).
+            if seat.counted_out or seat.life > seats.parse(desired).life:
+                return False
         # compare_set answers a missing key with the expected value itself.
         held = "nothing" if value == previous else repr(value)
         hint = ""
@@ -432,6 +435,14 @@ class RestartProtocol:
     def wait_decision(self, iteration: int, timeout: float) -> Decision:
         return self._decided(Decision.from_json(self.wait_decision_raw(iteration, timeout)))
 
+    def decision_on_board(self, iteration: int) -> Optional[Decision]:
+        """Barrier ``iteration``'s decision as the node agent posted it, if it is the board's latest
+        (not too large for it, not a lost mark); None otherwise: then it is read from the store."""
+        posted = self.link.read_decision() if self.link is not None and self.link.alive() else None
+        if posted is None or posted[0] != iteration or posted[1] is None or parse_lost_mark(posted[1]) is not None:
+            return None
+        return self._decided(Decision.from_json(posted[1]))
+
     def _decided(self, decision: Decision) -> Decision:
         """A decision read here, from the store or a node board: its term's keys are known to exist."""
         self.terms.saw(decision.iteration, decision.term)
@@ -492,7 +503,8 @@ class RestartProtocol:
         seat_taken: bool = False,
     ) -> Optional[Decision]:
         link = self.link
-        if link is not None and not terminated and not seat_taken and link.alive():
+        if (link is not None and not terminated and not seat_taken and link.alive()
+                and not self._replaced(link, iteration)):
             self.post_arrival(iteration, initial_rank, expected)
             return self.await_outcome(iteration, initial_rank, expected, decide=decide, timeout=timeout)
         healthy, dead, complete = self.arrive(
@@ -559,6 +571,17 @@ class RestartProtocol:
         store with the node's others and forwards the arrival."""
         self._require_link().post_arrival(iteration, expected, initial_rank, self.life)
 
+    @staticmethod
+    def _replaced(link: NodeBoardLink, iteration: int) -> bool:
+        """Whether this rank's slot holds an arrival at a later barrier than ``iteration``: a process
+        that joined into its seat posted it (this one was counted out, and is late). Its arrival must
+        not take the slot back; at the store, its seat tells it that it was counted out."""
+        later = link.posted() > iteration
+        if later:
+            log.info("barrier %d: node board slot %d holds an arrival at barrier %d: this process was replaced, "
+                     "it arrives at the store", iteration, link.slot, link.posted())
+        return later
+
     def await_outcome(
         self, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = None, timeout: float
     ) -> Decision:
@@ -570,6 +593,10 @@ class RestartProtocol:
 
         def attempt(seconds: float) -> Optional[int]:
             outcome = link.wait_outcome(iteration, seconds)
+            if outcome == BOARD_TIMEOUT and link.posted() < iteration:
+                # The process this one replaced (counted out, late) posted an older arrival over this
+                # one's before the agent read it: posted again. The agent forwards a slot's barrier once.
+                self.post_arrival(iteration, initial_rank, expected)
             return outcome if outcome in (OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED) else None
 
         outcome = attempt(0.0)  # posted already: no chunked wait to set up

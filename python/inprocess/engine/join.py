@@ -8,10 +8,17 @@ peers' monitors can see it lost from its announcement on), announces itself
 progress like a spare, until a restart's leader resolves it. Admitted, it
 reads that barrier's decision and enters the job with it; refused, it leaves
 with the reason; closed (the job ended while it waited), its call returns.
+
+Linked to its node's agent (engine/runtime.py), it sleeps on the node's board
+instead of a blocking wait at the store: it reads its record once per decision
+or event the agent posts (a leader resolves joiners only in a restart, and its
+decision follows), and every _BACKSTOP_S besides; the admitting decision comes
+from the board too. Without news, a waiting joiner makes no store call.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,6 +26,8 @@ from typing import Any, Callable, Optional
 
 from ..control import seats
 from ..control.joining import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, JoinKeys, Outcome
+from ..control.leadership import parse_lost_mark
+from ..control.node_link import BOARD_CLOSED, BOARD_NEWS, NodeBoardLink
 from ..control.protocol import Decision, RestartProtocol
 from ..control.records import HOST
 from ..exception import RestartError, TimeoutError
@@ -28,6 +37,8 @@ log = logging.getLogger("inprocess")
 
 # How often a waiting joiner stamps its progress at least (a spare stamps every soft_timeout/4).
 _STAMP_S = 1.0
+# With a node board, how often a waiting joiner reads its record without news on the board.
+_BACKSTOP_S = 10.0
 
 
 class JoinRefused(RestartError):
@@ -76,17 +87,21 @@ def wait_for_admission(
     join.announce(Announcement(token, seat, HOST, os.getpid(), config, keys))
     # Read after the announcement: a job that ended before it closed it, or says so here.
     _check_incarnation(join, p.incarnation)
-    log.info("rank %d: waiting to join the running job (token %s)", seat, token)
+    link = p.link if p.link is not None and p.link.alive() else None
+    log.info("rank %d: waiting to join the running job (token %s)%s", seat, token,
+             f", on node board slot {link.slot}" if link is not None else "")
     outcome = None
-    while outcome is None:
-        stamp()
-        try:
+    try:
+        if link is not None:
+            outcome = _wait_on_board(join, token, link, stamp)
+        while outcome is None:
+            stamp()
             outcome = join.wait_outcome(token, _STAMP_S)
-        except RestartError:
-            raise
-        except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
-            raise JoinClosed(f"the store went away while this process waited to join ({type(e).__name__}: {e})") \
-                from None
+    except RestartError:
+        raise
+    except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+        raise JoinClosed(f"the store went away while this process waited to join ({type(e).__name__}: {e})") \
+            from None
     if outcome.kind == REFUSED:
         raise JoinRefused(f"the running job refused initial rank {seat}: {outcome.why}")
     if outcome.kind in (CLOSED, GONE):
@@ -97,7 +112,48 @@ def wait_for_admission(
     p.life = outcome.life
     log.info("rank %d: admitted at barrier %d (life %d of its seat)", seat, outcome.barrier, outcome.life)
     # Published before the admission was read (the leader admits, then decides and publishes): no long wait.
-    return p.wait_decision(outcome.barrier, timeout)
+    decision = p.decision_on_board(outcome.barrier)
+    return decision if decision is not None else p.wait_decision(outcome.barrier, timeout)
+
+
+def _wait_on_board(join: JoinKeys, token: str, link: NodeBoardLink, stamp: Callable[[], None]) -> Optional[Outcome]:
+    """The joiner's outcome, read once per decision or event that its node's agent posts (only a
+    restart's leader resolves a joiner, and its decision follows; the job's end is a complete event
+    or a decision that ends it), and every _BACKSTOP_S (a peer's monitor may withdraw it). None
+    once the board can tell no more (the agent gone, the job ending): the store's wait takes over.
+    """
+    posted = link.read_decision()
+    decision_seen, event_seen = -1 if posted is None else posted[0], link.event()
+    ending = _job_ends(posted, event_seen)
+    outcome = join.read_outcome(token)
+    looked = time.monotonic()
+    while outcome is None:
+        if ending:
+            return None  # no decision will come: the job's end closes this joiner at the store
+        stamp()
+        news = link.wait_news(decision_seen, event_seen, _STAMP_S)
+        if news == BOARD_CLOSED or not link.alive():
+            return None
+        if news == BOARD_NEWS:
+            posted = link.read_decision()
+            decision_seen, event_seen = -1 if posted is None else posted[0], link.event()
+            ending = _job_ends(posted, event_seen)
+        elif time.monotonic() - looked < _BACKSTOP_S:
+            continue
+        outcome = join.read_outcome(token)
+        looked = time.monotonic()
+    return outcome
+
+
+def _job_ends(posted: Optional[tuple[int, Optional[bytes]]], event: int) -> bool:
+    """Whether the board says the job ends: a complete event, or a decision that ends it (its
+    agent relays nothing after either)."""
+    if event >= 0 and event % 2 == 1:
+        return True
+    if posted is None or posted[1] is None or parse_lost_mark(posted[1]) is not None:
+        return False
+    head = json.loads(posted[1])
+    return head.get("abort") is not None or int(head.get("ws", 1)) <= 0
 
 
 def _await_first_beat(join: JoinKeys, token: str, stamp: Callable[[], None], seconds: float) -> None:

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inprocess")
 
+# A joiner's wait for its node's agent: one that runs accepts at once; none (a replaced node) refuses at once.
+JOINER_AGENT_CONNECT_S = 2.0
+
 
 def _seconds(td: Any) -> float:
     return float(td.total_seconds())
@@ -78,7 +81,7 @@ class RankRuntime:
 
     def __init__(self, wrapper: Wrapper, state: State, call_index: int, join_token: str = ""):
         self._w = wrapper
-        # This process joins a running job (control/joining.py): no node agent, a monitor that knows it.
+        # This process joins a running job (control/joining.py): its node's agent if one runs, a monitor that knows it.
         self.join_token = join_token
         self._state = state
         self.call_index = call_index
@@ -206,9 +209,6 @@ class RankRuntime:
         """This node's agent (local rank 0 starts it), or None: the store directly."""
         layout = NodeLayout.from_env()
         store = self.store
-        if self.join_token:
-            # The node's agent counts the arrivals of its ranks' first life; a joiner talks to the store.
-            return None
         wanted = self._w.node_agent
         if wanted is None:
             wanted = (
@@ -224,6 +224,8 @@ class RankRuntime:
             raise ValueError(f"Wrapper(node_agent=True): the node agent speaks TCPStore only, the store is "
                              f"{type(store).__name__}")
         t = self._w.timeouts
+        if self.join_token:
+            return self._join_node_agent(layout, store)
         if layout.local_rank == 0:
             self._node_agent = HelperProcess.start(NodeAgentConfig(
                 store_host=store.host, store_port=store.port, call=self.call_index, incarnation=self.incarnation,
@@ -237,6 +239,32 @@ class RankRuntime:
             log.warning("rank %d: no node agent (%s): this rank talks to the store directly",
                         self._state.initial_rank, e)
             return None
+
+    def _join_node_agent(self, layout: NodeLayout, store: dist.TCPStore) -> Optional[NodeLink]:
+        """A joiner links to its node's agent, if one runs, in its local rank's slot.
+
+        It never starts one: the agent of a node still running other ranks of the
+        job serves their store traffic already (the joiner's link keeps it alive
+        while it waits and runs), and a node whose every rank was replaced has
+        none, and would get one per joiner otherwise. An agent that is there
+        accepts at once, so the joiner waits JOINER_AGENT_CONNECT_S at most,
+        not agent_connect_s (a first rank's wait for its local rank 0 to start
+        one), then talks to the store directly. What the slot still holds of
+        the process it replaces is older than anything the joiner posts: its
+        first arrival is at the barrier after its admission, with its seat's
+        new life (control/seats.py).
+        """
+        name = socket_name(store.host, store.port, self.call_index, layout.node)
+        try:
+            timeout = min(JOINER_AGENT_CONNECT_S, self._w.timeouts.agent_connect_s)
+            link = NodeLink.connect(name, layout.local_rank, timeout)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            log.info("rank %d: no node agent runs on node %s (%s): this joiner talks to the store directly",
+                     self._state.initial_rank, layout.node, e)
+            return None
+        log.info("rank %d: joins through node %s's agent (pid %d), slot %d",
+                 self._state.initial_rank, layout.node, link.board.agent_pid, layout.local_rank)
+        return link
 
     def _spawn_monitor(self) -> Optional[HelperProcess]:
         """The per-rank monitor process: sees this rank's death through a pidfd,
