@@ -313,6 +313,7 @@ def test_an_admitted_joiner_arrives_at_every_later_restart_through_its_node_agen
     assert re.search(r"rank 3: joins through node 1's agent", output_of(job, 3, 1)), text
 
 
+@pytest.mark.slow  # a real 4-process job (~20 s): the suite stays within CI's time
 @pytest.mark.timeout(420)
 def test_a_waiting_joiner_alone_keeps_its_node_agent_which_admits_it_and_counts_it_later(
         tmp_path: pathlib.Path) -> None:
@@ -349,6 +350,7 @@ def test_a_waiting_joiner_alone_keeps_its_node_agent_which_admits_it_and_counts_
     assert "talks to the store directly" not in joiner, joiner[-3000:]
 
 
+@pytest.mark.slow  # a real 4-process job (~20 s): the suite stays within CI's time
 @pytest.mark.timeout(420)
 def test_a_joiner_whose_node_has_no_agent_joins_directly_without_waiting_for_one(tmp_path: pathlib.Path) -> None:
     """2 nodes x 2 ranks. Both ranks of node 1 are SIGKILLed: its agent exits. Seat 3's replacement
