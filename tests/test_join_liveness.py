@@ -234,6 +234,37 @@ def test_an_admitted_joiner_that_dies_before_its_process_group_exists_costs_one_
     assert starts[restarts[2]["iteration"] + 1] - died < 30, (starts, died)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_joiner_that_dies_restarts_after_its_admission_costs_one_restart(tmp_path: pathlib.Path) -> None:
+    """4 active seats. Seat 3 is SIGKILLed, its replacement waits, seat 2 is SIGKILLed (the restart
+    admits the joiner, barrier 2), seat 1 is SIGKILLed (barrier 3: its leader deletes barrier 2's keys),
+    then the joiner dies. Its monitor counts it out at once: it does not wait for the decision that
+    admitted it, long out and deleted (it waited for it until barrier_timeout, and the survivor with it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = {"steps": 45, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
+            "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1},
+                      {"seat": 1, "life": 0, "step": 28}, {"seat": 3, "life": 1, "step": 34}]}
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        joiner = job.respawn(3, 1)
+        text = finish(job, 240)
+    assert joiner.returncode == -signal.SIGKILL, text
+    logs = read_logs(out)
+    assert logs["seat3.life1"]["killed_at"] == 34, text
+    finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
+    assert sorted(finishers) == ["seat0.life0"], (sorted(finishers), text)
+    restarts = finishers["seat0.life0"]["restarts"]
+    assert [r["terminated"] for r in restarts] == [[3], [2], [1], [3]], restarts
+    assert [r["joined"] for r in restarts] == [[], [3], [], []], restarts
+    starts = {entry["iteration"]: entry["t"] for entry in logs["seat0.life0"]["iterations"]}
+    last = restarts[3]["iteration"]
+    # The last iteration before the restart began before step 34, at most ~0.3 s of steps; 30 s is far from
+    # barrier_timeout (150 s) and hard_timeout (120 s), which the stalled job ran into.
+    assert starts[last + 1] - starts[last] < 30, starts
+
+
 @pytest.mark.timeout(300)
 def test_a_grow_scheduled_when_the_function_returns_leaves_no_keys(tmp_path: pathlib.Path) -> None:
     """3 active seats, GrowPolicy(check_every=1000). Seat 2 is SIGKILLed; its replacement waits.

@@ -546,7 +546,12 @@ class Monitor:
         """A joiner that died admitted, perhaps before its leader moved the seat into its life
         (the seat still holds the previous life's count-out, which counting out leaves alone):
         the seat is moved once the admitting barrier's decision is out. Waited for here, so that
-        the count-out finds it moved and the next barrier does not wait for the dead joiner."""
+        the count-out finds it moved and the next barrier does not wait for the dead joiner.
+        Not waited for once the seat is in its life: the decision is out then, and its keys may
+        be deleted since (a joiner that dies iterations after its admission)."""
+        held = self.protocol.read_seat(self.rank)
+        if held is not None and seats.parse(held).life >= admitted.life:
+            return
         try:
             self.protocol.wait_decision(admitted.barrier, self.args.barrier_timeout_s)
         except Exception as e:  # counted out where the seat stands, as before
