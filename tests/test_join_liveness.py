@@ -202,6 +202,18 @@ def test_an_admitted_joiner_whose_node_is_lost_is_counted_out_by_the_peers(tmp_p
     assert restarted_s < 60, restarted_s  # heartbeat_timeout 6 s, barrier_timeout 150 s
 
 
+def seat_3_replaced(tmp_path: pathlib.Path, plan: dict[str, Any]) -> tuple[RankProcess, str, dict[str, Any]]:
+    """A 4-seat job run by ``plan`` to its end: once seat 3's first process is killed, its replacement
+    is started to join. Returns the joiner, the outputs and the processes' logs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
+        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
+        joiner = job.respawn(3, 1)
+        text = finish(job, 240)
+    return joiner, text, read_logs(out)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_admitted_joiner_that_dies_before_its_process_group_exists_costs_one_restart(
@@ -211,17 +223,11 @@ def test_an_admitted_joiner_that_dies_before_its_process_group_exists_costs_one_
     before init_process_group, while the others wait in theirs for its address: they are released
     by the restart its monitor starts (not by pg_timeout, 150 s, or hard_timeout, 120 s), and the
     job ends with seats 0 and 1."""
-    out = tmp_path / "out"
-    out.mkdir()
     plan = {"steps": 40, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
             "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1},
                       {"seat": 3, "life": 1, "step": "init"}]}
-    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
-        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
-        joiner = job.respawn(3, 1)
-        text = finish(job, 240)
+    joiner, text, logs = seat_3_replaced(tmp_path, plan)
     assert joiner.returncode == -signal.SIGKILL, text
-    logs = read_logs(out)
     assert logs["seat3.life1"]["killed_at"] == "init", text
     finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
     assert sorted(finishers) == ["seat0.life0", "seat1.life0"], (sorted(finishers), text)
@@ -241,17 +247,11 @@ def test_a_joiner_that_dies_restarts_after_its_admission_costs_one_restart(tmp_p
     admits the joiner, barrier 2), seat 1 is SIGKILLed (barrier 3: its leader deletes barrier 2's keys),
     then the joiner dies. Its monitor counts it out at once: it does not wait for the decision that
     admitted it, long out and deleted (it waited for it until barrier_timeout, and the survivor with it)."""
-    out = tmp_path / "out"
-    out.mkdir()
     plan = {"steps": 45, "step_s": 0.03, "active": 4, "wrapper": WRAPPER, "pg_timeout": 150,
             "kills": [{"seat": 3, "life": 0, "step": 5}, {"seat": 2, "life": 0, "step": 20, "after_joiners": 1},
                       {"seat": 1, "life": 0, "step": 28}, {"seat": 3, "life": 1, "step": 34}]}
-    with join_job([str(WORKERS / "join_worker.py")], 4, env=job_env(out, plan)) as job:
-        until("seat 3 killed", lambda: job.ranks[3].popen.poll() is not None)
-        joiner = job.respawn(3, 1)
-        text = finish(job, 240)
+    joiner, text, logs = seat_3_replaced(tmp_path, plan)
     assert joiner.returncode == -signal.SIGKILL, text
-    logs = read_logs(out)
     assert logs["seat3.life1"]["killed_at"] == 34, text
     finishers = {name: log["result"] for name, log in logs.items() if log.get("result")}
     assert sorted(finishers) == ["seat0.life0"], (sorted(finishers), text)
