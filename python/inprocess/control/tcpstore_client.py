@@ -552,12 +552,7 @@ class TCPStoreClient:
                 have += got
             return bytes(out_buf)
         while len(buf) < n:
-            if time.monotonic() > deadline:
-                raise socket.timeout("deadline passed")
-            chunk = sock.recv(_RECV_CHUNK)
-            if not chunk:
-                raise self._eof()
-            buf += chunk
+            self._fill(deadline)
         out = bytes(buf[:n])
         del buf[:n]
         return out
@@ -614,11 +609,6 @@ class TCPStoreClient:
     def _request_i64(self, request: bytes, deadline: float) -> int:
         self._send(request, deadline)
         return I64.unpack(self._recv_exact(8, deadline))[0]
-
-    @staticmethod
-    def _wait_request(keys: Sequence[str]) -> bytes:
-        _, packed = encode_key_list(keys, "wait")
-        return bytes((WAIT,)) + packed
 
     def _wait_exchange(self, request: bytes, deadline: float, op: str, key: object) -> None:
         """Send WAIT and read STOP_WAITING; past the deadline, cancel and raise _WaitTimedOut."""
