@@ -239,9 +239,6 @@ class RestartProtocol:
         """
         what = f"iteration {iteration} outcome"
         if self.link is not None:
-            posted = self.link.wait_event(iteration, 0.0)  # posted already: no chunked wait to set up
-            if posted >= 0:
-                return COMPLETE if posted == 1 else RESTART
             value = self._wait_event_on_board(self.link, iteration, timeout, what, cancelled)
             if value is not None:
                 return value
@@ -268,8 +265,10 @@ class RestartProtocol:
             outcome = link.wait_event(iteration, seconds)
             return outcome if outcome >= 0 else None
 
-        outcome = wait_in_chunks(attempt, Deadline(timeout), what, "node board", cancelled=cancelled,
-                                 chunk_s=NODE_POLL_S, go_on=link.alive)
+        outcome = attempt(0.0)  # posted already: no chunked wait to set up
+        if outcome is None:
+            outcome = wait_in_chunks(attempt, Deadline(timeout), what, "node board", cancelled=cancelled,
+                                     chunk_s=NODE_POLL_S, go_on=link.alive)
         if outcome is None:
             return None
         return COMPLETE if outcome == 1 else RESTART
