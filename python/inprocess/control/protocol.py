@@ -438,6 +438,10 @@ class RestartProtocol:
         """Barrier ``iteration``'s decision as the node agent posted it, if it is the board's latest
         (not too large for it, not a lost mark); None otherwise: then it is read from the store."""
         posted = self.link.read_decision() if self.link is not None and self.link.alive() else None
+        return self._posted_decision(posted, iteration)
+
+    def _posted_decision(self, posted: Optional[tuple[int, Optional[bytes]]], iteration: int) -> Optional[Decision]:
+        """``posted`` (the board's latest decision) if it is barrier ``iteration``'s decision itself."""
         if posted is None or posted[0] != iteration or posted[1] is None or parse_lost_mark(posted[1]) is not None:
             return None
         return self._decided(Decision.from_json(posted[1]))
@@ -605,10 +609,9 @@ class RestartProtocol:
         if outcome == OUTCOME_LEAD:
             return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=True)
         if outcome == OUTCOME_DECIDED:
-            posted = link.read_decision()
-            if (posted is not None and posted[0] == iteration and posted[1] is not None
-                    and parse_lost_mark(posted[1]) is None):
-                return self._decided(Decision.from_json(posted[1]))
+            decision = self._posted_decision(link.read_decision(), iteration)
+            if decision is not None:
+                return decision
             # Too large for the board, or a lost mark: the terms are followed at the store.
             return decide_barrier(self, iteration, initial_rank, expected, decide, deadline)
         # The agent refused the seat, or is gone before it counted this rank.

@@ -146,6 +146,13 @@ class Decision:
             fields["joined"] = [list(pair) for pair in self.joined]
         return json.dumps(fields, separators=(",", ":"))
 
+    @staticmethod
+    def ends_job(raw: bytes) -> bool:
+        """Whether the encoded decision ends the job (it aborts it, or leaves no rank active),
+        read without decoding its membership (a node agent relays it, a waiting joiner looks)."""
+        head = json.loads(raw)
+        return head.get("abort") is not None or int(head.get("ws", 1)) <= 0
+
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
         try:

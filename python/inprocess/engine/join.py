@@ -18,7 +18,6 @@ from the board too. Without news, a waiting joiner makes no store call.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -152,8 +151,7 @@ def _job_ends(posted: Optional[tuple[int, Optional[bytes]]], event: int) -> bool
         return True
     if posted is None or posted[1] is None or parse_lost_mark(posted[1]) is not None:
         return False
-    head = json.loads(posted[1])
-    return head.get("abort") is not None or int(head.get("ws", 1)) <= 0
+    return Decision.ends_job(posted[1])
 
 
 def _await_first_beat(join: JoinKeys, token: str, stamp: Callable[[], None], seconds: float) -> None:

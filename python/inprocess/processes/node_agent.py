@@ -39,7 +39,6 @@ arguments; 4 internal error.
 
 from __future__ import annotations
 
-import json
 import logging
 import selectors
 import socket
@@ -50,6 +49,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 from .. import _native
 from ..control.node_link import HELLO, socket_name
 from ..control.protocol import COMPLETE, RestartProtocol
+from ..control.records import Decision
 from .contract import EXIT_OK, NodeAgentConfig, StopRequest, run_helper
 
 log = logging.getLogger("inprocess.processes.node_agent")
@@ -123,8 +123,7 @@ class NodeRelay:
 
         raw = p.wait_decision_raw(barrier, None, cancelled=cancelled, on_lost=post_mark)
         self.board.post_decision(barrier, raw)
-        head = json.loads(raw)
-        return head.get("abort") is None and int(head.get("ws", 1)) > 0
+        return not Decision.ends_job(raw)
 
     def relay_event(self, p: RestartProtocol, iteration: int, cancelled: Callable[[], bool]) -> bool:
         """Post iteration ``iteration``'s event; False when it completed the call."""
