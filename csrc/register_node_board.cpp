@@ -16,25 +16,35 @@ namespace inprocess::bindings {
 
 namespace {
 
-// Seconds from Python -> a CLOCK_MONOTONIC deadline. Negative means "check
-// once"; beyond the int64 range of nanoseconds (inf included), no deadline.
+// A deadline CLOCK_MONOTONIC is always past: the wait reads its condition once, with no system call.
+constexpr int64_t kLookOnly = 0;
+
+// Seconds from Python -> a CLOCK_MONOTONIC deadline. Zero or negative means
+// "check once"; beyond the int64 range of nanoseconds (inf included), no deadline.
+
 int64_t board_deadline(double timeout_s) {
   if (std::isnan(timeout_s)) throw py::value_error("timeout_s must be a number of seconds, not nan");
   if (timeout_s >= 9.2e9) return NodeBoard::kNoDeadline;
-  return NodeBoard::deadline_after(timeout_s <= 0 ? 0 : static_cast<int64_t>(timeout_s * 1e9));
+  if (timeout_s <= 0) return kLookOnly;
+  return NodeBoard::deadline_after(static_cast<int64_t>(timeout_s * 1e9));
 }
 
-// Runs a board wait without the GIL. A signal interrupts the futex; the
-// Python handlers then run (in the main thread) and may raise, so Ctrl-C and
+// Runs `wait(deadline)`, a board wait, without the GIL. It looks first with
+// the GIL held (kLookOnly), so that an answer already posted costs no GIL
+// hand-off: in a process of several threads a released GIL goes to another
+// thread, and taking it back waits for that thread's switch interval. A signal interrupts the futex; the Python
+// handlers then run (in the main thread) and may raise, so Ctrl-C and
 // SIGTERM handlers work during a wait of any length. Otherwise the wait
 // resumes against the same deadline.
 template <class Wait>
-int64_t wait_releasing_gil(Wait wait) {
+int64_t wait_releasing_gil(int64_t deadline, Wait wait) {
+  const int64_t looked = wait(kLookOnly);
+  if (looked != NodeBoard::kTimeout || deadline == kLookOnly) return looked;
   for (;;) {
     int64_t result;
     {
       py::gil_scoped_release nogil;
-      result = wait();
+      result = wait(deadline);
     }
     if (result != NodeBoard::kInterrupted) return result;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -62,8 +72,8 @@ void register_node_board(py::module_& m) {
       .def(
           "wait_event",
           [](const NodeBoard& b, int64_t iteration, double timeout_s) {
-            const int64_t deadline = board_deadline(timeout_s);
-            return wait_releasing_gil([&] { return b.wait_event(iteration, deadline, true); });
+            return wait_releasing_gil(board_deadline(timeout_s),
+                                      [&](int64_t deadline) { return b.wait_event(iteration, deadline, true); });
           },
           py::arg("iteration"), py::arg("timeout_s"), "0 restart, 1 complete, -1 timeout, -2 closed.")
       .def("arrive", &NodeBoard::arrive, py::arg("slot"), py::arg("barrier"), py::arg("expected"),
@@ -91,8 +101,8 @@ void register_node_board(py::module_& m) {
       .def(
           "wait_arrivals",
           [](const NodeBoard& b, int64_t seen_seq, double timeout_s) {
-            const int64_t deadline = board_deadline(timeout_s);
-            return wait_releasing_gil([&] { return b.wait_arrivals(seen_seq, deadline, true); });
+            return wait_releasing_gil(board_deadline(timeout_s),
+                                      [&](int64_t deadline) { return b.wait_arrivals(seen_seq, deadline, true); });
           },
           py::arg("seen_seq"), py::arg("timeout_s"), "The new arrival sequence, -1 timeout, -2 closed.")
       .def("set_leader", &NodeBoard::set_leader, py::arg("slot"), py::arg("barrier"))
@@ -121,16 +131,16 @@ void register_node_board(py::module_& m) {
       .def(
           "wait_outcome",
           [](const NodeBoard& b, int64_t slot, int64_t barrier, double timeout_s) {
-            const int64_t deadline = board_deadline(timeout_s);
-            return wait_releasing_gil([&] { return b.wait_outcome(slot, barrier, deadline, true); });
+            return wait_releasing_gil(board_deadline(timeout_s),
+                                      [&](int64_t deadline) { return b.wait_outcome(slot, barrier, deadline, true); });
           },
           py::arg("slot"), py::arg("barrier"), py::arg("timeout_s"),
           "1 the slot leads the barrier, 2 a decision for it is posted, 3 its seat was refused, -1 timeout, -2 closed.")
       .def(
           "wait_news",
           [](const NodeBoard& b, int64_t decision_after, int64_t event_after, double timeout_s) {
-            const int64_t deadline = board_deadline(timeout_s);
-            return wait_releasing_gil([&] { return b.wait_news(decision_after, event_after, deadline, true); });
+            return wait_releasing_gil(board_deadline(timeout_s),
+                                      [&](int64_t deadline) { return b.wait_news(decision_after, event_after, deadline, true); });
           },
           py::arg("decision_after"), py::arg("event_after"), py::arg("timeout_s"),
           "1 once a decision after barrier `decision_after` or an event word above `event_after` is posted "

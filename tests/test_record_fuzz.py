@@ -72,6 +72,30 @@ def test_a_valid_decision_round_trips() -> None:
     assert d.membership == valid_decision().membership
 
 
+def ends_job_parsed(raw: bytes) -> bool:
+    """ends_job's answer read from the whole document."""
+    fields = json.loads(raw)
+    return fields["abort"] is not None or fields["ws"] <= 0
+
+
+@pytest.mark.parametrize("abort", [None, "null", 'an "abort": null, quoted', ""])
+@pytest.mark.parametrize("active", [True, False])
+def test_ends_job_reads_the_head_as_the_whole_document_says(abort: Any, active: bool) -> None:
+    d = valid_decision()
+    d.abort = abort
+    if not active:
+        d.membership.mode = [int(Mode.TERMINATED)] * len(d.membership.mode)
+    raw = d.to_json().encode()
+    assert raw.startswith(b'{"i":1,"n":6,"ws":')  # the head that ends_job reads without parsing
+    assert Decision.ends_job(raw) == ends_job_parsed(raw) == (abort is not None or not active)
+    # Another writer's layout (fields reordered, spaces) is parsed in full, to the same answer.
+    fields = json.loads(raw)
+    other = json.dumps(dict(reversed(list(fields.items())))).encode()
+    assert not other.startswith(b'{"i":') and Decision.ends_job(other) == ends_job_parsed(raw)
+    spaced = json.dumps(fields, indent=1).encode()
+    assert Decision.ends_job(spaced) == ends_job_parsed(raw)
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=400))
 def test_random_bytes_are_never_a_decision(raw: bytes) -> None:

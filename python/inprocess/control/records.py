@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import time
 from typing import Any, Callable, Optional
@@ -25,6 +26,8 @@ HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningf
 MAX_JSON_BYTES = 1 << 24  # a decision of MAX_FAULTS_IN_DECISION records is a few kB
 MAX_WORLD_SIZE = 1 << 22  # initial ranks a decision may describe (the simulator goes to 16,384)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# The head of Decision.to_json: group 1 the world size, group 2 present when abort is null.
+_HEAD = re.compile(rb'\{"i":-?\d+,"n":\d+,"ws":(-?\d+),"abort":(null[,}])?')
 
 
 def _reject_constant(name: str) -> Any:
@@ -129,13 +132,14 @@ class Decision:
         fields: dict[str, Any] = {
             "i": self.iteration,
             "n": self.membership.initial_world_size,
-            "ws": self.membership.world_size,  # lets a node agent see the job's end without decoding runs
+            # ws and abort first: ends_job reads them from the head, without parsing the runs
+            "ws": self.membership.world_size,
+            "abort": self.abort,
             "runs": self.membership.encode(),
             "terminated": self.terminated,
             "faults": [dataclasses.asdict(f) for f in self.faults[:MAX_FAULTS_IN_DECISION]],
             "n_faults": self.n_faults,
             "leader": self.leader,
-            "abort": self.abort,
             "t_ns": self.t_ns,
             "host": self.host,
             "assignment_ns": self.assignment_ns,
@@ -148,10 +152,18 @@ class Decision:
 
     @staticmethod
     def ends_job(raw: bytes) -> bool:
-        """Whether the encoded decision ends the job (it aborts it, or leaves no rank active),
-        read without decoding its membership (a node agent relays it, a waiting joiner looks)."""
-        head = json.loads(raw)
-        return head.get("abort") is not None or int(head.get("ws", 1)) <= 0
+        """Whether the encoded decision ends the job (it aborts it, or leaves no rank active).
+
+        A node agent relays every decision and a waiting joiner looks at each:
+        at 16,384 ranks parsing the whole document cost them ~85 us, reading
+        the head that :meth:`to_json` writes first ~1 us. Any other layout
+        (another writer's field order) is parsed in full.
+        """
+        head = _HEAD.match(raw)
+        if head is not None:
+            return head.group(2) is None or int(head.group(1)) <= 0
+        fields = json.loads(raw)
+        return fields.get("abort") is not None or int(fields.get("ws", 1)) <= 0
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
