@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import re
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -25,10 +27,10 @@ from inprocess.compose import Compose
 from inprocess.control import seats
 from inprocess.control.joining import ADMITTED, JoinKeys, Outcome
 from inprocess.control.membership import Membership
-from inprocess.control.node_link import NodeLink, socket_name
+from inprocess.control.node_link import HELLO, NodeLink, socket_name
 from inprocess.control.protocol import Decision, RestartProtocol, SeatTaken
 from inprocess.control.store_ops import CountingStore
-from inprocess.engine import join
+from inprocess.engine import join, runtime
 from inprocess.launch import LocalJob
 from inprocess.processes.node_agent import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
@@ -224,6 +226,53 @@ def test_a_waiting_joiner_reads_its_record_once_per_board_news_and_takes_the_adm
     assert joiner.life == 1 and joiner.counted.calls == calls + 2  # its record, read once more
 
 
+# -- a joiner's link to its node's agent: none there, or one that is slow to hand out its board -------
+
+
+def test_a_joiner_stops_asking_for_an_agent_that_is_not_there_after_absent_s() -> None:
+    """A replaced node has no agent and none will start (joiners never start one): its joiner used to
+    retry refused connections for 2 s before it went to the store; it now gives up after absent_s."""
+    name = b"\0inprocess-test-no-agent-" + str(time.monotonic_ns()).encode()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no node agent listening"):
+        NodeLink.connect(name, 0, 30, absent_s=runtime.JOINER_AGENT_ABSENT_S)
+    assert time.monotonic() - start < 1.0  # not the 30 s connect timeout
+    assert runtime.JOINER_AGENT_ABSENT_S < runtime.JOINER_AGENT_CONNECT_S
+
+
+def test_an_agent_that_accepts_late_still_hands_its_board_to_a_joiner_within_the_connect_timeout() -> None:
+    """absent_s cuts only refusals: an agent that accepted has the whole timeout to send its board
+    (a loaded node agent may answer its listener late)."""
+    name = b"\0inprocess-test-slow-agent-" + str(time.monotonic_ns()).encode()
+    board = _native.NodeBoard.create(2, 4096)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen(4)
+
+    def serve_late() -> None:
+        conn, _ = listener.accept()
+        time.sleep(0.5)  # longer than absent_s
+        socket.send_fds(conn, [HELLO], [board.fd])
+        time.sleep(2)
+        conn.close()
+
+    thread = threading.Thread(target=serve_late, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        link = NodeLink.connect(name, 1, runtime.JOINER_AGENT_CONNECT_S, absent_s=runtime.JOINER_AGENT_ABSENT_S)
+        took = time.monotonic() - start
+        try:
+            assert took >= 0.5 and link.board.slots == 2 and link.board.agent_pid == os.getpid()
+        finally:
+            link.close()
+            link.board.unmap()
+    finally:
+        thread.join(10)
+        listener.close()
+        board.unmap()
+
+
 # -- a real job: 2 nodes x 2 ranks, node agents, SIGKILLed ranks, replacements that join -----------
 
 JOB_WRAPPER = {**WRAPPER}  # barrier_timeout 150 s: agent_connect_s is min(150, 30) = 30 s
@@ -382,4 +431,6 @@ def test_a_joiner_whose_node_has_no_agent_joins_directly_without_waiting_for_one
     assert sorted(sum((r["terminated"] for r in restarts), [])) == [2, 3], restarts
     assert [r["joined"] for r in restarts][-1] == [3], restarts
     assert "rank 3: no node agent runs on node 1" in joiner.output, joiner.output[-3000:]
+    # It stopped asking after JOINER_AGENT_ABSENT_S, not the 2 s connect timeout.
+    assert f"within {runtime.JOINER_AGENT_ABSENT_S:.3g}s)" in joiner.output, joiner.output[-3000:]
     assert "joins through" not in joiner.output, joiner.output[-3000:]

@@ -138,9 +138,16 @@ class NodeLink:
         self._lost = False
 
     @classmethod
-    def connect(cls, name: bytes, slot: int, timeout: float) -> "NodeLink":
-        """Connect to the agent (retrying until it listens) and map its board."""
-        deadline = time.monotonic() + timeout
+    def connect(cls, name: bytes, slot: int, timeout: float, *, absent_s: Optional[float] = None) -> "NodeLink":
+        """Connect to the agent (retrying until it listens) and map its board.
+
+        ``absent_s``: stop retrying refused connections after this long (no
+        agent listens, and none is expected to start); an agent that accepted
+        still has ``timeout`` to send its board.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        refusals_end = deadline if absent_s is None else min(deadline, start + absent_s)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
@@ -150,9 +157,10 @@ class NodeLink:
                 break
             except (ConnectionRefusedError, FileNotFoundError):
                 sock.close()
-                if time.monotonic() > deadline:
+                if time.monotonic() > refusals_end:
                     raise TimeoutError(
-                        f"no node agent listening on {name[1:].decode()!r} within {timeout:g}s"
+                        f"no node agent listening on {name[1:].decode()!r} within "
+                        f"{refusals_end - start:.3g}s"
                     ) from None
                 time.sleep(0.02)
             except BaseException:

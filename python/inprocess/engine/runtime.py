@@ -51,8 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inprocess")
 
-# A joiner's wait for its node's agent: one that runs accepts at once; none (a replaced node) refuses at once.
+# A joiner's wait for its node's agent: one that runs accepts at once and sends its board within
+# JOINER_AGENT_CONNECT_S; none (a replaced node) refuses at once, and the joiner stops asking after
+# JOINER_AGENT_ABSENT_S: no rank of the node is starting one (joiners never do).
 JOINER_AGENT_CONNECT_S = 2.0
+JOINER_AGENT_ABSENT_S = 0.1
 
 
 def _seconds(td: Any) -> float:
@@ -247,9 +250,9 @@ class RankRuntime:
         job serves their store traffic already (the joiner's link keeps it alive
         while it waits and runs), and a node whose every rank was replaced has
         none, and would get one per joiner otherwise. An agent that is there
-        accepts at once, so the joiner waits JOINER_AGENT_CONNECT_S at most,
-        not agent_connect_s (a first rank's wait for its local rank 0 to start
-        one), then talks to the store directly. What the slot still holds of
+        accepts at once; where none listens the joiner stops asking after
+        JOINER_AGENT_ABSENT_S, not agent_connect_s (a first rank's wait for its
+        local rank 0 to start one), and talks to the store directly. What the slot still holds of
         the process it replaces is older than anything the joiner posts: its
         first arrival is at the barrier after its admission, with its seat's
         new life (control/seats.py).
@@ -257,7 +260,7 @@ class RankRuntime:
         name = socket_name(store.host, store.port, self.call_index, layout.node)
         try:
             timeout = min(JOINER_AGENT_CONNECT_S, self._w.timeouts.agent_connect_s)
-            link = NodeLink.connect(name, layout.local_rank, timeout)
+            link = NodeLink.connect(name, layout.local_rank, timeout, absent_s=JOINER_AGENT_ABSENT_S)
         except (TimeoutError, OSError, RuntimeError) as e:
             log.info("rank %d: no node agent runs on node %s (%s): this joiner talks to the store directly",
                      self._state.initial_rank, layout.node, e)
