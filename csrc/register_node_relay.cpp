@@ -188,9 +188,9 @@ void register_node_relay(py::module_& m) {
         return "StoreConnection(" + c.address() + (c.closed() ? ", closed)" : ", open)");
       });
 
-  py::class_<NodeRelay>(m, "NodeRelay",
-                        "A node agent's relay steps over a NodeBoard and a StoreConnection, each without the GIL.")
-      .def(py::init([](NodeBoard& board, const py::dict& layout) {
+  py::class_<RelayLayout>(m, "RelayLayout",
+                          "The templates of what a NodeRelay sends, parsed once (native_relay.relay_layout builds them).")
+      .def(py::init([](const py::dict& layout) {
              auto text = [&](const char* name) { return layout[name].cast<std::string>(); };
              auto tmpl = [&](const char* name) { return KeyTemplate(text(name)); };
              RelayLayout l;
@@ -218,10 +218,14 @@ void register_node_relay(py::module_& m) {
              l.lost_mark = layout["lost_mark"].cast<std::string>();
              l.terminated_shift = layout["terminated_shift"].cast<int>();
              if (l.terminated_shift < 1 || l.terminated_shift > 62) throw py::value_error("terminated_shift out of 1..62");
-             return new NodeRelay(board, std::move(l));
+             return new RelayLayout(std::move(l));
            }),
-           py::arg("board"), py::arg("layout"), py::keep_alive<1, 2>(),
-           "`layout`: the key and value templates of native_relay.relay_layout.")
+           py::arg("layout"));
+
+  py::class_<NodeRelay>(m, "NodeRelay",
+                        "A node agent's relay steps over a NodeBoard and a StoreConnection, each without the GIL.")
+      .def(py::init<NodeBoard&, RelayLayout>(), py::arg("board"), py::arg("layout"), py::keep_alive<1, 2>(),
+           "`layout`: a RelayLayout (copied: a relay costs no parsing).")
       .def("forward", &NodeRelay::forward, py::arg("store"), py::call_guard<py::gil_scoped_release>())
       .def(
           "relay_decision",

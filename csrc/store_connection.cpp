@@ -279,13 +279,12 @@ void StoreConnection::fill(int64_t deadline_ns) {
     rbuf_.clear();
     rpos_ = 0;
   }
-  const size_t old = rbuf_.size();
-  rbuf_.resize(old + kRecvChunk);
+  // Into a buffer kept for the connection's life: growing rbuf_ by a chunk would zero 64 KiB per receive.
+  if (chunk_.empty()) chunk_.resize(kRecvChunk);
   ssize_t n;
   do {
-    n = ::recv(fd_, &rbuf_[old], kRecvChunk, 0);
+    n = ::recv(fd_, chunk_.data(), chunk_.size(), 0);
   } while (n < 0 && errno == EINTR);
-  rbuf_.resize(old + static_cast<size_t>(std::max<ssize_t>(n, 0)));
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) throw StoreTimeout("no reply in time", false);
     throw StoreClosed(std::strerror(errno));
@@ -294,6 +293,7 @@ void StoreConnection::fill(int64_t deadline_ns) {
     throw StoreClosed("the store server closed the connection (it went away, or it dropped a request it cannot "
                       "serve, e.g. add() on a value that is not an integer)");
   }
+  rbuf_.append(chunk_.data(), static_cast<size_t>(n));
 }
 
 std::string StoreConnection::recv_exact(size_t n, int64_t deadline_ns) {

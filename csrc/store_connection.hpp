@@ -124,6 +124,7 @@ class StoreConnection {
   std::string closed_because_;
   std::string rbuf_;  // bytes received and not consumed yet, from rpos_
   size_t rpos_ = 0;
+  std::vector<char> chunk_;  // what one recv reads into
 };
 
 // The wire encodings shared by the connection and its tests.

@@ -147,12 +147,13 @@ def test_the_templates_expand_as_the_protocol_computes_for_any_call_and_incarnat
     board = _native.NodeBoard.create(SLOTS, 4096)
     try:
         for p in (RestartProtocol(None), RestartProtocol(None, 3, incarnation="job-7")):
-            relay = _native.NodeRelay(board, relay_layout(p))
+            relay = _native.NodeRelay(board, _native.RelayLayout(relay_layout(p)))
             check_layout(relay, p)
             assert relay.expand("seat_desired", 4, life=2) == seats.healthy(4, 2)
             assert relay.expand("outcome", 4, term=2) == p.terms.outcome_key(4, 2)
         # A relay built for one incarnation writes another's keys: the check says so.
-        other = _native.NodeRelay(board, relay_layout(RestartProtocol(None, 3, incarnation="job-8")))
+        job_8 = RestartProtocol(None, 3, incarnation="job-8")
+        other = _native.NodeRelay(board, _native.RelayLayout(relay_layout(job_8)))
         with pytest.raises(InternalError, match="diverge from the protocol: ready.*and 4[0-9] more"):
             check_layout(other, RestartProtocol(None, 3, incarnation="job-7"))
     finally:
@@ -166,12 +167,12 @@ def test_a_change_of_the_seat_values_is_followed_or_refused(monkeypatch: pytest.
     try:
         # Another spelling of a healthy seat: the templates follow it, no C++ change.
         monkeypatch.setattr(seats, "healthy", lambda barrier, life=0: f"h{barrier}" + (f"~{life}" if life else ""))
-        relay = _native.NodeRelay(board, relay_layout(p))
+        relay = _native.NodeRelay(board, _native.RelayLayout(relay_layout(p)))
         check_layout(relay, p)
         assert relay.expand("seat_expected", 5, life=3) == "h4~3"
         # A value that is no template of the barrier (here: its square) cannot be followed: refused.
         monkeypatch.setattr(seats, "healthy", lambda barrier, life=0: str(barrier * barrier))
-        relay = _native.NodeRelay(board, relay_layout(p))
+        relay = _native.NodeRelay(board, _native.RelayLayout(relay_layout(p)))
         with pytest.raises(InternalError, match="diverge from the protocol: seat move"):
             check_layout(relay, p)
     finally:

@@ -48,6 +48,10 @@ _CHECK_LIVES = (0, 1, 7)
 _CHECK_TERMS = (0, 1, 2, 11)
 
 
+# Layouts built and checked in this process, per key prefix: a simulator runs thousands of relays.
+_CHECKED: dict[str, Any] = {}
+
+
 class _Recorder:
     """A store that records what the protocol writes: how ``ready`` is set, without a second definition."""
 
@@ -67,7 +71,8 @@ def _template(text: str) -> str:
 
 
 def relay_layout(p: RestartProtocol) -> dict[str, Any]:
-    """The templates of what the relay sends for protocol ``p``'s call (see the module's doc)."""
+    """The templates of what the relay sends for protocol ``p``'s call (see the module's doc),
+    for :class:`inprocess._native.RelayLayout`."""
     recorder = _Recorder()
     RestartProtocol(recorder, p.call, incarnation=p.incarnation)._set_ready(_BARRIER)
     [(ready_key, ready_value)] = recorder.sets
@@ -143,9 +148,12 @@ class NativeNodeRelay:
     def _native_for(self, p: RestartProtocol, which: Optional[tuple[str, Any]]) -> Any:
         if which is not None and which[0] == p.prefix:
             return which[1]
-        relay = _native.NodeRelay(self.board, relay_layout(p))
-        check_layout(relay, p)
-        return relay
+        layout = _CHECKED.get(p.prefix)
+        if layout is None:
+            layout = _native.RelayLayout(relay_layout(p))
+            check_layout(_native.NodeRelay(self.board, layout), p)
+            _CHECKED[p.prefix] = layout
+        return _native.NodeRelay(self.board, layout)
 
     @property
     def adds(self) -> int:
