@@ -140,15 +140,17 @@ std::string NodeRelay::wait_get(StoreConnection& store, const std::string& key, 
 }
 
 std::string NodeRelay::relay_decision(StoreConnection& store, int64_t barrier, const Cancelled& cancelled,
-                                      double chunk_s) {
+                                      double chunk_s, const MarkCheck& check_mark) {
   const std::string what = "barrier " + std::to_string(barrier);
   for (int64_t term = 0;; ++term) {
     const KeyTemplate::Values v{barrier, 0, 0, term};
     const std::string key = term == 0 ? layout_.outcome_first.expand(v) : layout_.outcome_later.expand(v);
     std::string raw = wait_get(store, key, what, cancelled, chunk_s);
+    const bool mark = raw.compare(0, layout_.lost_mark.size(), layout_.lost_mark) == 0;
+    if (mark && check_mark) check_mark(raw);
     // A lost mark is posted as it comes: the node's ranks that read it follow the terms at the store.
     board_.post_decision(barrier, raw.data(), raw.size());
-    if (raw.compare(0, layout_.lost_mark.size(), layout_.lost_mark) != 0) return raw;
+    if (!mark) return raw;
   }
 }
 

@@ -86,9 +86,13 @@ class NodeRelay {
 
   // NodeRelay.forward: returns how many arrivals were counted.
   int64_t forward(StoreConnection& store);
+  // Shown each lost mark before it is posted; throws to refuse it (a corrupted mark).
+  using MarkCheck = std::function<void(const std::string&)>;
+
   // NodeRelay.relay_decision: posts each lost mark and then the decision;
   // returns the decision as published.
-  std::string relay_decision(StoreConnection& store, int64_t barrier, const Cancelled& cancelled, double chunk_s);
+  std::string relay_decision(StoreConnection& store, int64_t barrier, const Cancelled& cancelled, double chunk_s,
+                             const MarkCheck& check_mark = {});
   // NodeRelay.relay_event: returns the event's value; posts it when it is restart or complete.
   std::string relay_event(StoreConnection& store, int64_t iteration, const Cancelled& cancelled, double chunk_s);
 

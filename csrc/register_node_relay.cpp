@@ -229,16 +229,27 @@ void register_node_relay(py::module_& m) {
       .def("forward", &NodeRelay::forward, py::arg("store"), py::call_guard<py::gil_scoped_release>())
       .def(
           "relay_decision",
-          [](NodeRelay& r, StoreConnection& store, int64_t barrier, const py::object& cancelled, double chunk_s) {
+          [](NodeRelay& r, StoreConnection& store, int64_t barrier, const py::object& cancelled, double chunk_s,
+             const py::object& check_mark) {
             const auto check = cancel_check(cancelled);
+            NodeRelay::MarkCheck mark_check;
+            if (!check_mark.is_none()) {
+              // Only where a leader was lost: the GIL is taken back for the mark's parse.
+              mark_check = [&check_mark](const std::string& raw) {
+                py::gil_scoped_acquire gil;
+                check_mark(py::bytes(raw));
+              };
+            }
             std::string out;
             {
               py::gil_scoped_release nogil;
-              out = r.relay_decision(store, barrier, check, chunk_s);
+              out = r.relay_decision(store, barrier, check, chunk_s, mark_check);
             }
             return py::bytes(out);
           },
-          py::arg("store"), py::arg("barrier"), py::arg("cancelled"), py::arg("chunk_s"))
+          py::arg("store"), py::arg("barrier"), py::arg("cancelled"), py::arg("chunk_s"),
+          py::arg("check_mark") = py::none(),
+          "`check_mark(raw)` is shown each lost mark before it is posted, and raises to refuse it.")
       .def(
           "relay_event",
           [](NodeRelay& r, StoreConnection& store, int64_t iteration, const py::object& cancelled, double chunk_s) {

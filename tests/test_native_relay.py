@@ -368,6 +368,17 @@ def test_a_lost_mark_is_posted_then_the_decision_of_the_next_term() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_corrupted_lost_mark_is_refused_before_it_is_posted() -> None:
+    def scenario(node: Node) -> bool:
+        node.p.terms.write(1, 0, "lost:{not a record")
+        return bool(node.relay.relay_decision(node.broadcast_p, 1, lambda: False))
+
+    out, state = both(scenario)
+    assert out[0] is InternalError and out[1].startswith("corrupted lost mark b'lost:{not a record'")
+    assert state["decision"] is None
+
+
+@pytest.mark.timeout(60)
 def test_the_events_restart_and_complete() -> None:
     def scenario(node: Node) -> tuple[bool, int, bool]:
         node.p.request_restart(1)

@@ -212,7 +212,8 @@ class NodeRelay:
     def __init__(self, board: NodeBoard, layout: RelayLayout) -> None: ...
     def forward(self, store: StoreConnection) -> int: ...
     def relay_decision(
-        self, store: StoreConnection, barrier: int, cancelled: Optional[Callable[[], bool]], chunk_s: float
+        self, store: StoreConnection, barrier: int, cancelled: Optional[Callable[[], bool]], chunk_s: float,
+        check_mark: Optional[Callable[[bytes], object]] = None,
     ) -> bytes: ...
     def relay_event(
         self, store: StoreConnection, iteration: int, cancelled: Optional[Callable[[], bool]], chunk_s: float

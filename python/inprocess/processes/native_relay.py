@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from .. import _native
 from ..control import store_ops
-from ..control.leadership import LOST_MARK
+from ..control.leadership import LOST_MARK, parse_lost_mark
 from ..control.protocol import COMPLETE, RESTART, TERMINATED_UNIT, RestartProtocol
 from ..control.records import Decision
 from ..exception import InternalError
@@ -185,8 +185,9 @@ class NativeNodeRelay:
         if not isinstance(p.store, _native.StoreConnection):
             return self.python.relay_decision(p, barrier, cancelled)
         relay = self._broadcast_relay(p)
+        # parse_lost_mark refuses a corrupted mark (InternalError) before it is posted, as in NodeRelay.
         raw = self._counted(p, relay, lambda: relay.relay_decision(p.store, barrier, cancelled,
-                                                                   store_ops.WAIT_CHUNK_S))
+                                                                   store_ops.WAIT_CHUNK_S, parse_lost_mark))
         return not Decision.ends_job(raw)
 
     def relay_event(self, p: RestartProtocol, iteration: int, cancelled: Callable[[], bool]) -> bool:
