@@ -103,6 +103,28 @@ def test_a_wait_that_times_out_is_cancelled_and_the_connection_goes_on(server: d
 
 
 @pytest.mark.timeout(30)
+def test_close_from_another_thread_ends_a_blocked_wait_at_once(server: dist.TCPStore) -> None:
+    conn = _native.StoreConnection(HOST, server.port, timeout=30, connect_timeout=5)
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            conn.wait_get("never", 30)
+        except BaseException as e:  # checked below
+            failed.append(e)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)  # the wait is on the server now
+    start = time.monotonic()
+    conn.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - start < 2.0
+    assert len(failed) == 1 and isinstance(failed[0], StoreConnectionError), failed
+    assert conn.closed
+
+
+@pytest.mark.timeout(30)
 def test_the_server_gone_closes_the_connection_with_a_clear_error() -> None:
     server = _server()
     port = server.port

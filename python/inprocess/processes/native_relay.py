@@ -18,6 +18,22 @@ Python function gives; a change to :mod:`inprocess.control.protocol` or
 :mod:`inprocess.control.seats` that the templates cannot follow raises
 instead of writing other keys.
 
+Where it differs from :class:`NodeRelay` over a ``TCPStoreClient``, on purpose
+or not yet:
+
+* a wait asks ``cancelled()`` between chunks of ``store_ops.WAIT_CHUNK_S``
+  with the GIL taken back for the call; inside a chunk no Python runs (nor
+  its signal handlers: the agent's relays run in worker threads);
+* the protocol's :class:`~inprocess.control.leadership.Terms` do not learn the
+  terms the relay read (``saw``): only its ``delete`` uses them, which an
+  agent never calls;
+* :class:`inprocess._native.StoreConnection` serves what the relay and
+  :class:`~inprocess.control.store_ops.CountingStore`'s reads and waits need
+  (set, append, add, compare_set and its pipelined batches, check, wait,
+  get), not ``multi_get``, ``multi_set``, ``delete_key`` or ``ping``; a
+  handshake the server closes is a plain ``StoreConnectionError`` (the Python
+  client says ``StoreHandshakeClosedError``).
+
 This module imports no torch.
 """
 
