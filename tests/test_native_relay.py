@@ -467,3 +467,33 @@ def test_the_server_gone_fails_a_step_with_the_stores_address() -> None:
             node.board.unmap()
             for p in (node.forward_p, node.broadcast_p):
                 p.store.close()
+
+
+@pytest.mark.timeout(60)
+def test_another_store_goes_through_node_relay_and_the_slots_state_carries_over() -> None:
+    server = _server()
+    board = _native.NodeBoard.create(SLOTS, DECISION_CAPACITY)
+    python_p = RestartProtocol(TCPStoreClient(HOST, server.port, timeout=5, connect_timeout=5))
+    native_p = RestartProtocol(_native.StoreConnection(HOST, server.port, timeout=5, connect_timeout=5))
+    try:
+        relay = NativeNodeRelay(board)
+        for r in range(SLOTS):
+            server.set(python_p.seat_key(r), "0")
+        _arrive_on(board, list(range(SLOTS)), 1)
+        assert relay.forward(python_p) == SLOTS and python_p.ops == SLOTS + 1  # NodeRelay: seats, one add
+        assert relay.forward(native_p) == 0 and native_p.ops == 0  # forwarded already: not counted twice
+        _arrive_on(board, [0, 1], 2)
+        assert relay.forward(native_p) == 2 and native_p.ops == 3
+        assert relay.forward(python_p) == 0  # and back: the native relay's state carries over
+        assert relay.forwarded == [2, 2, 1, 1] and relay.adds == 2
+        assert server.add(python_p.key(1, "arrivals"), 0) == SLOTS and server.add(python_p.key(2, "arrivals"), 0) == 2
+    finally:
+        python_p.store.close()
+        native_p.store.close()
+        board.unmap()
+        del server
+
+
+def _arrive_on(board: Any, slots: list[int], barrier: int) -> None:
+    for slot in slots:
+        board.arrive(slot, barrier, WORLD, slot, 0)
