@@ -17,6 +17,12 @@ in a process of its own (its CPU is not counted):
   raw socket calls on the same connection (a ``check`` each): the kernel's
   share, which no client code can go below.
 
+The same steps are then measured with
+:class:`~inprocess.processes.native_relay.NativeNodeRelay` over a
+:class:`inprocess._native.StoreConnection` (``native ...`` lines: the C++
+relay, each step one call without the GIL), in the same run, against the same
+server, on fresh keys (another call number).
+
 Thread CPU time (``time.thread_time_ns``) per node, median over ``--rounds``::
 
     python benchmarks/node_relay_cpu.py --nodes 256 --rounds 5
@@ -39,6 +45,7 @@ from inprocess.control.protocol import FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.control.tcpstore_wire import CHECK, encode_key_list
 from inprocess.launch import free_port
+from inprocess.processes.native_relay import NativeNodeRelay
 from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
@@ -53,12 +60,17 @@ def per_node_us(nodes: int, step: Callable[[], object]) -> float:
     return (time.thread_time_ns() - start) / nodes / 1e3
 
 
-def one_round(client: TCPStoreClient, call: int, nodes: int) -> dict[str, float]:
-    """One restart's relay steps for every node: barrier 1 of call ``call`` (a fresh key space)."""
-    p = RestartProtocol(client, call)
+def one_round(client: TCPStoreClient, relay_store: object, call: int, nodes: int) -> dict[str, float]:
+    """One restart's relay steps for every node: barrier 1 of call ``call`` (a fresh key space).
+
+    ``relay_store``: the relay's connection, ``client`` itself (the Python relay) or a
+    :class:`_native.StoreConnection` (the native relay); ``client`` sets the scene."""
+    native = isinstance(relay_store, _native.StoreConnection)
+    setup = RestartProtocol(client, call)
+    p = RestartProtocol(relay_store, call)
     n = SLOTS * nodes
     boards = [_native.NodeBoard.create(SLOTS, DECISION_CAPACITY) for _ in range(nodes)]
-    relays = [NodeRelay(board) for board in boards]
+    relays = [NativeNodeRelay(board) if native else NodeRelay(board) for board in boards]
     try:
         client.multi_set([p.seat_key(r) for r in range(n)], ["0"] * n)  # every rank counted at barrier 0
         dead = n // 2
@@ -73,10 +85,12 @@ def one_round(client: TCPStoreClient, call: int, nodes: int) -> dict[str, float]
                 relays[k].forward(p)
 
         out = {"forward": per_node_us(nodes, forward)}
-        p.publish_decision(decision)
+        setup.publish_decision(decision)
         out["relay_decision"] = per_node_us(nodes, lambda: [r.relay_decision(p, 1, lambda: True) for r in relays])
-        p.request_restart(1)
+        setup.request_restart(1)
         out["relay_event"] = per_node_us(nodes, lambda: [r.relay_event(p, 1, lambda: True) for r in relays])
+        if native:
+            return {f"native {step}": us for step, us in out.items()}
         sock = client._sock  # the same connection, bypassing the client: the kernel's share
         assert sock is not None
         check = bytes((CHECK,)) + encode_key_list([p.seat_key(0)], "check")[1]
@@ -110,7 +124,11 @@ def main() -> None:
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "up"
         client = TCPStoreClient("127.0.0.1", port, timeout=30, connect_timeout=30)
-        rounds = [one_round(client, call, args.nodes) for call in range(args.rounds)]
+        connection = _native.StoreConnection("127.0.0.1", port, timeout=30, connect_timeout=30)
+        # The native relay's rounds on their own calls (fresh keys), after the Python relay's.
+        rounds = [{**one_round(client, client, call, args.nodes),
+                   **one_round(client, connection, args.rounds + call, args.nodes)} for call in range(args.rounds)]
+        connection.close()
         client.close()
     finally:
         server.stdin.close()  # type: ignore[union-attr]  # the server leaves at the end of its input
@@ -122,12 +140,16 @@ def main() -> None:
     steps = list(rounds[0])
     medians = {step: statistics.median(r[step] for r in rounds) for step in steps}
     relay = medians["forward"] + medians["relay_decision"] + medians["relay_event"]
+    native = medians["native forward"] + medians["native relay_decision"] + medians["native relay_event"]
     for step in steps:
-        print(f"{step:>15}: {medians[step]:7.1f} us CPU per node (min {min(r[step] for r in rounds):.1f}, "
+        print(f"{step:>21}: {medians[step]:7.1f} us CPU per node (min {min(r[step] for r in rounds):.1f}, "
               f"max {max(r[step] for r in rounds):.1f})")
-    print(f"{'relay, in all':>15}: {relay:7.1f} us CPU per node and restart; the kernel's round trips alone "
+    print(f"{'relay, in all':>21}: {relay:7.1f} us CPU per node and restart; the kernel's round trips alone "
           f"{medians['floor']:.1f} us ({100 * medians['floor'] / relay:.0f} %); "
           f"x 2,048 nodes: {relay * 2048 / 1e3:.0f} ms")
+    print(f"{'native relay':>21}: {native:7.1f} us CPU per node and restart ({relay / native:.1f}x less); "
+          f"the kernel's round trips alone {medians['floor']:.1f} us ({100 * medians['floor'] / native:.0f} %); "
+          f"x 2,048 nodes: {native * 2048 / 1e3:.0f} ms")
     print(json.dumps({"benchmark": "node_relay_cpu", "nodes": args.nodes, "rounds": args.rounds,
                       "us_per_node": medians}))
 

@@ -19,6 +19,7 @@ void register_heartbeat(pybind11::module_& m);
 void register_host_names(pybind11::module_& m);  // getnameinfo without a resolver
 void register_killer(pybind11::module_& m);
 void register_node_board(pybind11::module_& m);
+void register_node_relay(pybind11::module_& m);  // StoreConnection, NodeRelay
 void register_watchdog(pybind11::module_& m);
 void register_gpu(pybind11::module_& m);  // CUDA driver, NCCL, NVML
 void register_testing(pybind11::module_& m);
