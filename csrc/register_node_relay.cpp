@@ -103,6 +103,9 @@ void register_node_relay(py::module_& m) {
                                return py::module_::import("datetime").attr("timedelta")(py::arg("seconds") = c.timeout_s());
                              })
       .def_property_readonly("closed", &StoreConnection::closed)
+      .def_property_readonly("bytes_sent", &StoreConnection::bytes_sent, "Request bytes sent since the handshake.")
+      .def_property_readonly("bytes_received", &StoreConnection::bytes_received,
+                             "Reply bytes received since the handshake.")
       .def(
           "set",
           [](StoreConnection& c, const std::string& key, const py::object& value) {

@@ -270,6 +270,7 @@ void StoreConnection::send_all(const std::string& data, int64_t deadline_ns) {
       throw StoreClosed(std::strerror(errno));
     }
     sent += static_cast<size_t>(n);
+    sent_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
   }
 }
 
@@ -294,6 +295,7 @@ void StoreConnection::fill(int64_t deadline_ns) {
                       "serve, e.g. add() on a value that is not an integer)");
   }
   rbuf_.append(chunk_.data(), static_cast<size_t>(n));
+  received_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
 }
 
 std::string StoreConnection::recv_exact(size_t n, int64_t deadline_ns) {

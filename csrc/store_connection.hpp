@@ -98,6 +98,9 @@ class StoreConnection {
   std::string wait_get(const std::string& key, double timeout_s);
   // Closes the connection; an operation blocked in another thread fails at once.
   void close();
+  // Bytes of requests sent and of replies received since the handshake: a caller's measure of its traffic.
+  uint64_t bytes_sent() const noexcept { return sent_.load(std::memory_order_relaxed); }
+  uint64_t bytes_received() const noexcept { return received_.load(std::memory_order_relaxed); }
 
  private:
   int connect_once(int64_t deadline_ns, int* error);
@@ -125,6 +128,8 @@ class StoreConnection {
   std::string rbuf_;  // bytes received and not consumed yet, from rpos_
   size_t rpos_ = 0;
   std::vector<char> chunk_;  // what one recv reads into
+  std::atomic<uint64_t> sent_{0};
+  std::atomic<uint64_t> received_{0};
 };
 
 // The wire encodings shared by the connection and its tests.

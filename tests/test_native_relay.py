@@ -80,6 +80,23 @@ def test_requests_read_back_by_torchs_client_and_pipelined_compare_sets(server: 
 
 
 @pytest.mark.timeout(30)
+def test_the_byte_counters_count_each_request_and_reply_on_the_wire(server: dist.TCPStore) -> None:
+    """What the simulator reports as a node's bytes: each request's and reply's size as tcpstore_wire.py
+    lays them out ("/" key prefix, u64 lengths), counted from the handshake on."""
+    conn = _native.StoreConnection(HOST, server.port, timeout=5, connect_timeout=5)
+    try:
+        assert (conn.bytes_sent, conn.bytes_received) == (0, 0)  # the handshake is not the caller's traffic
+        conn.add("k", 3)  # ADD, key, i64 -> i64
+        assert (conn.bytes_sent, conn.bytes_received) == (1 + 8 + 2 + 8, 8)
+        server.set("v", b"12345")
+        assert conn.wait_get("v", 5) == b"12345"  # WAIT of 1 key, then GET -> STOP_WAITING, vector
+        assert conn.bytes_sent == 19 + (1 + 8 + 8 + 2) + (1 + 8 + 2)
+        assert conn.bytes_received == 8 + 1 + (8 + 5)
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(30)
 def test_a_wait_that_times_out_is_cancelled_and_the_connection_goes_on(server: dist.TCPStore) -> None:
     conn = _native.StoreConnection(HOST, server.port, timeout=5, connect_timeout=5)
     try:

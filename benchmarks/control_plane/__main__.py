@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", choices=["shared", "every-rank"], default=d.decode)
     ap.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
                     help="ranks per node agent (node mode); 0: direct mode only")
+    ap.add_argument("--relay", choices=["native", "python"], default=d.relay,
+                    help="the node agents' relay: native (NativeNodeRelay, what an agent runs; default) or python "
+                         "(NodeRelay, for comparison)")
     ap.add_argument("--direct", action="store_true", help="direct mode only (same as --ranks-per-node 0)")
     ap.add_argument("--node-only", action="store_true", help="node mode only: skip the direct mode's comparison")
     ap.add_argument("--steady-s", type=float, default=None,
@@ -86,7 +89,7 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> SimConfig:
         ap.error(f"--ranks-per-node={args.ranks_per_node}: expected >= 0")
     try:
         return SimConfig(kind=args.kind, decode=args.decode, heartbeat_interval_s=args.heartbeat_interval_s,
-                         joiners=args.joiners, joiner_layout=args.joiner_layout,
+                         joiners=args.joiners, joiner_layout=args.joiner_layout, relay=args.relay,
                          ranks_per_node=0 if args.direct else args.ranks_per_node, **settings)
     except ValueError as e:
         ap.error(str(e))

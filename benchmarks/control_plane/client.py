@@ -62,7 +62,7 @@ def client_main() -> None:
         cfg = json.loads(sys.stdin.readline())
         if cfg["decode"] == "shared":
             share_decoding()
-        conns = Connections(cfg["port"], cfg["groups"], cfg["timeout_s"])
+        conns = Connections(cfg["port"], cfg["groups"], cfg["timeout_s"], cfg["relay"])
         send({"connections": conns.count})
         job: Optional[SimJob] = None
         for line in sys.stdin:

@@ -24,6 +24,7 @@ class SimConfig:
     timeout_s: float = 120.0  # every wait and every message from a process
     joiners: int = 0  # restarts in threes: K ranks lost, K joiners admitted, a plain one (control_plane/joins.py)
     joiner_layout: str = "nodes"  # the lost ranks: whole nodes ("nodes") or single ranks far apart ("spread")
+    relay: str = "native"  # the node agents' relay: "native" (NativeNodeRelay, the agent's) or "python" (NodeRelay)
 
     def __post_init__(self) -> None:
         for name in ("procs", "groups", "restarts"):
@@ -42,6 +43,8 @@ class SimConfig:
             raise ValueError(f"kind={self.kind!r}: expected 'killed' or 'exception'")
         if self.decode not in ("shared", "every-rank"):
             raise ValueError(f"decode={self.decode!r}: expected 'shared' or 'every-rank'")
+        if self.relay not in ("native", "python"):
+            raise ValueError(f"relay={self.relay!r}: expected 'native' or 'python'")
         if self.joiner_layout not in ("nodes", "spread"):
             raise ValueError(f"joiner_layout={self.joiner_layout!r}: expected 'nodes' or 'spread'")
         if self.joiners and self.restarts < 2:

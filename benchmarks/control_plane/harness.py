@@ -170,7 +170,8 @@ class Session:
         for _ in range(cfg.procs):
             self.clients.append(Child(argv, env))
         for c in self.clients:
-            c.send({"port": self.port, "groups": cfg.groups, "timeout_s": cfg.timeout_s, "decode": cfg.decode})
+            c.send({"port": self.port, "groups": cfg.groups, "timeout_s": cfg.timeout_s, "decode": cfg.decode,
+                    "relay": cfg.relay})
         self.connections = sum(c.answer(cfg.timeout_s, "connections")["connections"] for c in self.clients)
 
     def close(self) -> None:

@@ -122,10 +122,12 @@ class SimJob:
         for g in range(k):
             part = nodes[len(nodes) * g // k: len(nodes) * (g + 1) // k]
             group = NodeGroup(self, f"group of nodes {part[0][0] // rpn}..{part[-1][0] // rpn}")
+            conns = self.conns
+            native = (conns.relay_forward[g], conns.relay_broadcast[g]) if conns.relay_forward else None
             for members in part:
                 board = _native.NodeBoard.create(len(members), DECISION_CAPACITY)
                 node = SimNode(members[0] // rpn, self.call, board, self.conns.ops[g], self.conns.waits[g], group,
-                               self.timeout_s, self.conns.pipes[g])
+                               self.timeout_s, self.conns.pipes[g] if self.conns.pipes else None, native)
                 for slot, r in enumerate(members):
                     rs = SimRank(r, self.call, self.conns.ops[g], self.conns.waits[g], group, NodeLink(board, slot))
                     node.ranks.append(rs)

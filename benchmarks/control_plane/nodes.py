@@ -8,16 +8,20 @@ no pidfd). A group is a set of whole nodes; the relays run on the group's
 thread and connections (broadcast side: blocking gets on the waits
 connection; forward side: adds on the operations connection).
 
+The relay is the agent's own (``--relay native``, the default):
+:class:`~inprocess.processes.native_relay.NativeNodeRelay`, each step one C++
+call over a :class:`inprocess._native.StoreConnection`; the group's nodes
+share the group's two (forward; broadcast), where a real agent has two of its
+own. ``--relay python`` runs :class:`NodeRelay` instead, as agents did before,
+its gets and adds on the group's torch connections and its seats on the
+group's ``TCPStoreClient`` (the same requests on the wire).
+
 What differs from a real node: its board, its relay and its ranks live in one
 client process and one thread, so the board's posts and waits never cross a
 process and never wake a sleeper (each post still makes its FUTEX_WAKE
 system call); a real agent forwards whatever arrived when its forward thread
 wakes, so a node's arrivals may take several adds, where here the node's
-ranks all post before its forward (one add per node, the fewest); a real
-agent talks through the torch-free ``TCPStoreClient`` on two connections of
-its own, here the relays use the group's torch connections for their gets
-and adds (the same requests on the wire) and the group's ``TCPStoreClient``
-for the seats they take.
+ranks all post before its forward (one add per node, the fewest).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from inprocess.control.protocol import COMPLETE, RestartProtocol
+from inprocess.processes.native_relay import NativeNodeRelay
 from inprocess.processes.node_agent import NodeRelay
 
 from .ranks import SimRank, wire_totals
@@ -46,26 +51,65 @@ def _give_up() -> bool:
 class SimNode:
     """One simulated node: its board, its ranks, and its agent's store traffic.
 
-    ``relay`` is the library's :class:`NodeRelay` over the node's board. A real
-    agent runs it on two threads with a connection each (broadcast: blocking
-    gets; forward: adds); here the node's group runs both over its two
+    ``relay`` is the library's relay over the node's board. A real agent runs
+    it on two threads with a connection each (broadcast: blocking gets;
+    forward: seats and adds); here the node's group runs both over two
     connections, with two RestartProtocols so that the broadcast and the
-    forward side are counted apart (``events``, ``arrivals``).
+    forward side are counted apart (``events``, ``arrivals``). ``native``:
+    the group's (forward, broadcast) StoreConnections for the native relay;
+    None: the Python relay over ``SharedStore``.
     """
 
-    __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last")
+    __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last",
+                 "native")
 
     def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
-                 cap_s: float, pipe: Any = None):
+                 cap_s: float, pipe: Any = None, native: Optional[tuple[Any, Any]] = None):
         self.index = index
         self.board = board
-        self.relay = NodeRelay(board)
         self.ranks: list[SimRank] = []
         self.e_tally, self.a_tally = Tally(), Tally()
-        self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
-        self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
+        self.native = native is not None
+        self.relay: Any
+        if native is not None:
+            forward_conn, broadcast_conn = native
+            self.relay = NativeNodeRelay(board)
+            self.events = RestartProtocol(broadcast_conn, call)
+            self.arrivals = RestartProtocol(forward_conn, call)
+        else:
+            self.relay = NodeRelay(board)
+            self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
+            self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
         self.last_ops = 0
         self.last = (0, 0, 0)
+
+    def _tallied(self, p: RestartProtocol, tally: Tally, step: Any) -> Any:
+        """A native step's bytes on its connection (SharedStore tallies the Python relay's itself)."""
+        if not self.native:
+            return step()
+        conn = p.store
+        sent, received = conn.bytes_sent, conn.bytes_received
+        try:
+            return step()
+        finally:
+            tally.out += conn.bytes_sent - sent
+            tally.inb += conn.bytes_received - received
+
+    def relay_event(self, iteration: int) -> bool:
+        return bool(self._tallied(self.events, self.e_tally,
+                                  lambda: self.relay.relay_event(self.events, iteration, _give_up)))
+
+    def forward(self) -> int:
+        return int(self._tallied(self.arrivals, self.a_tally, lambda: self.relay.forward(self.arrivals)))
+
+    def relay_decision(self, barrier: int) -> bool:
+        go_on = bool(self._tallied(self.events, self.e_tally,
+                                   lambda: self.relay.relay_decision(self.events, barrier, _give_up)))
+        if self.native:  # the bytes it relayed, as SharedStore digests what the Python relay read
+            posted = self.board.read_decision()
+            if posted is not None and posted[0] == barrier and posted[1] is not None:
+                self.e_tally.decision = hashlib.sha1(posted[1]).hexdigest()[:16]
+        return go_on
 
     @property
     def ops(self) -> int:
@@ -86,8 +130,8 @@ class NodeGroup:
         (answered by the board: no store request);
     (B) ``main.post_arrival(i+1)`` for each of the node's ranks (its arrival
         and its seat on the board: no store request), then ``relay.forward``
-        (the node's seats, one ``compare_set`` each pipelined over the
-        group's ``TCPStoreClient``, then one ``add`` for the node's batch; the
+        (the node's seats, one ``compare_set`` each, pipelined on the
+        forward connection, then one ``add`` for the node's batch; the
         batch that completes the count also sets ``ready``). If the forward named one of
         the node's ranks the leader, that rank's ``await_outcome`` runs at
         once: it leads, and its wait for ``ready`` hands the group's remaining
@@ -165,7 +209,7 @@ class NodeGroup:
         job = self.job
         complete = False
         for node, ranks in self.live:
-            if not node.relay.relay_event(node.events, i, _give_up):
+            if not node.relay_event(i):
                 complete = True
             for rs in ranks:
                 if rs.trigger.wait_event(i, job.timeout_s) == COMPLETE:
@@ -182,7 +226,7 @@ class NodeGroup:
             for rs in ranks:
                 rs.m_tally.decision = ""
                 rs.main.post_arrival(i + 1, rs.rank, expected)
-            node.relay.forward(node.arrivals)
+            node.forward()
             for rs in ranks:
                 assert rs.link is not None
                 if rs.link.leads() != i + 1:
@@ -205,7 +249,7 @@ class NodeGroup:
         job = self.job
         expected = job.world_size[i]
         for node, ranks in self.live:
-            node.relay.relay_decision(node.events, i + 1, _give_up)
+            node.relay_decision(i + 1)
             job.record_node(node, i)
             for rs in ranks:
                 if rs is self.leader:

@@ -48,15 +48,19 @@ class Connections:
     """The TCPStore client connections of one client process.
 
     Two per group (non-blocking operations; blocking waits and gets) and the
-    group's node agents' forward connection (``pipes``), one for
-    the barrier's leader once it blocks (see ``Group.hand_over``), one for the
-    simulated joiners (``--joiners``, :mod:`.joins`) and one for control
-    (fault injection, end of job).
+    group's node agents' own (``relay_forward`` and ``relay_broadcast``, the
+    :class:`inprocess._native.StoreConnection` a real agent's native relay
+    runs over; with the Python relay, ``pipes``: the forward side's
+    torch-free client, for its pipelined seats), one for the barrier's leader
+    once it blocks (see ``Group.hand_over``), one for the simulated joiners
+    (``--joiners``, :mod:`.joins`) and one for control (fault injection, end
+    of job).
     """
 
-    def __init__(self, port: int, groups: int, timeout_s: float):
+    def __init__(self, port: int, groups: int, timeout_s: float, relay: str = "native"):
         import torch.distributed as dist
 
+        from inprocess import _native
         from inprocess.control.host_names import numeric_host_names
         from inprocess.control.tcpstore_client import TCPStoreClient
 
@@ -69,15 +73,27 @@ class Connections:
         # Connect a few at a time: a connect may wait on the resolver (see harness.CHILD_ENV).
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             made = list(pool.map(connect, range(2 * groups + 3)))
-        # Per group: the node agents' forward connection, the library's torch-free client (a real
-        # agent's), which sends the node's seats pipelined (compare_set_many).
-        self.pipes = [TCPStoreClient(HOST, port, timeout=td, connect_timeout=td) for _ in range(groups)]
+        self.pipes: list[Any] = []
+        self.relay_forward: list[Any] = []
+        self.relay_broadcast: list[Any] = []
+        if relay == "native":
+            # Per group: the two connections of a real agent (forward; broadcast, which blocks).
+            def native(_: int) -> Any:
+                return _native.StoreConnection(HOST, port, timeout=timeout_s, connect_timeout=timeout_s)
+
+            self.relay_forward = [native(g) for g in range(groups)]
+            self.relay_broadcast = [native(g) for g in range(groups)]
+        else:
+            # Per group: the Python relay's forward side, the library's torch-free client, which
+            # sends the node's seats pipelined (compare_set_many); its gets and adds go to the
+            # group's torch connections.
+            self.pipes = [TCPStoreClient(HOST, port, timeout=td, connect_timeout=td) for _ in range(groups)]
         self.ops = made[0:2 * groups:2]  # per group: non-blocking operations
         self.waits = made[1:2 * groups:2]  # per group: blocking waits and gets
         self.join = made[-3]  # the simulated joiners of this process (--joiners)
         self.lead = made[-2]  # the leader of a barrier, once its group went on without it
         self.control = made[-1]  # the client's command loop (fault injection, end of job)
-        self.count = len(made) + len(self.pipes)
+        self.count = len(made) + len(self.pipes) + len(self.relay_forward) + len(self.relay_broadcast)
 
 
 class Deferred(BaseException):
