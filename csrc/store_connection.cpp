@@ -367,20 +367,20 @@ void StoreConnection::wait_exchange(const std::string& request, double timeout_s
   }
 }
 
-void StoreConnection::set(const std::string& key, const std::string& value) {
-  std::string request(1, static_cast<char>(kSet));
+// SET and APPEND: the same request (key, value), no reply.
+void StoreConnection::send_key_value(uint8_t command, const char* op, const std::string& key,
+                                     const std::string& value) {
+  std::string request(1, static_cast<char>(command));
   put_string(request, encode_store_key(key));
   check_value(value);
   put_string(request, value);
-  run("set", key, [&] { send_all(request, reply_deadline()); });
+  run(op, key, [&] { send_all(request, reply_deadline()); });
 }
 
+void StoreConnection::set(const std::string& key, const std::string& value) { send_key_value(kSet, "set", key, value); }
+
 void StoreConnection::append(const std::string& key, const std::string& value) {
-  std::string request(1, static_cast<char>(kAppend));
-  put_string(request, encode_store_key(key));
-  check_value(value);
-  put_string(request, value);
-  run("append", key, [&] { send_all(request, reply_deadline()); });
+  send_key_value(kAppend, "append", key, value);
 }
 
 int64_t StoreConnection::add(const std::string& key, int64_t amount) {

@@ -108,6 +108,7 @@ class StoreConnection {
   template <class Body>
   auto run(const char* op, const std::string& key, Body body) -> decltype(body());
   [[noreturn]] void fail(const std::string& what, const std::string& why, bool timeout);
+  void send_key_value(uint8_t command, const char* op, const std::string& key, const std::string& value);
   void send_all(const std::string& data, int64_t deadline_ns);
   void fill(int64_t deadline_ns);
   std::string recv_exact(size_t n, int64_t deadline_ns);

@@ -9,6 +9,7 @@ same board.
 from __future__ import annotations
 
 import builtins
+import datetime
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -37,9 +38,7 @@ def _server(use_libuv: bool = True) -> dist.TCPStore:
     return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv, timeout=_td(10))
 
 
-def _td(seconds: float):  # type: ignore[no-untyped-def]
-    import datetime
-
+def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
