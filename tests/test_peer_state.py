@@ -207,8 +207,10 @@ def test_a_shard_lost_with_its_copy_falls_back_and_says_so(tmp_path: pathlib.Pat
     # The two deaths may reach the survivors in one restart or two: every restore after them finds nothing.
     resumed = [it["resumed"] for it in faulty.rank(2)["iterations"]]
     assert len(resumed) >= 2 and resumed[-1] is None and all(r is None for r in resumed), (resumed, why)
-    # Shard 0's copy (on rank 3) may lag a commit behind, so that step 6 lacks shard 0 too.
-    assert re.search(r"peer state: shard\(s\) (0, )?1 of step [56] lost with their copies", faulty.job.outputs()), why
+    # Shard 1 is lost for good. Any other shard's copy may lag a commit behind (the kill can cut an
+    # exchange in flight: that keeper logs "the last shard exchange failed"), so step 6 may lack it too.
+    assert re.search(r"peer state: shard\(s\) ([023], )*1(, [023])* of step [56] lost with their copies",
+                     faulty.job.outputs()), why
 
 
 @pytest.mark.multiprocess
