@@ -4,6 +4,7 @@ seat lives, outcomes, announcements, and admit() with every kind of joiner."""
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any, Optional
 
 import pytest
@@ -32,7 +33,8 @@ def keys_of(p: RestartProtocol) -> JoinKeys:
 
 
 def admit(p: RestartProtocol, barrier: int, previous: Membership) -> list[tuple[int, int]]:
-    return joining.admit(keys_of(p), barrier, previous, CONFIG, seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+    return joining.admit(keys_of(p), barrier, previous, CONFIG, seat_key=p.seat_key,
+                         publish_keys=p.publish_many_local_keys)
 
 
 def shrunk(lost: list[int], n: int = 4) -> Membership:
@@ -166,13 +168,14 @@ def lost_seats(p: RestartProtocol, lost: list[int], n: int) -> Membership:
 
 @pytest.mark.parametrize(("store_kind", "k"), [("tcp", 1), ("tcp", 2), ("tcp", 3), ("tcp", 16), ("hash", 16),
                                                ("tcp", 200)])
-def test_the_leaders_admission_of_k_joiners_costs_2k_plus_8_calls_and_the_next_leader_2(
+def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_leader_2(
         store_kind: str, k: int) -> None:
     """The lines and the mark, one check and one multi_get of the k records and seats, the k outcomes'
     compare_sets (pipelined over a connection of their own from 3 on: one call to open it), the told
-    values (one multi_set), the resolved counter, the k seats' compare_sets, the mark. A store that is
-    no TCPStore (here a HashStore) sends the compare_sets one after another: one call less. Past 256
-    keys, one check and multi_get more per 256 (200 joiners: 400 records and seats, 2k + 10)."""
+    values (one multi_set), the resolved counter, the k seats' compare_sets, the mark, and one append
+    of the k joiners' topology keys. A store that is no TCPStore (here a HashStore) sends the
+    compare_sets one after another: one call less. Past 256 keys, one check and multi_get more per 256
+    (200 joiners: 400 records and seats, 2k + 11)."""
     n = 1024
     store = (dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10)) if store_kind == "tcp"
              else dist.HashStore())
@@ -181,20 +184,22 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_8_calls_and_the_next_l
     lost = list(range(1, 4 * k, 4))
     previous = lost_seats(p, lost, n)
     for r in lost:
-        keys.announce(Announcement(f"j{r}", r, "h", r, CONFIG))
+        keys.announce(Announcement(f"j{r}", r, "h", r, CONFIG, [[f"node-{r}"]]))
     calls = p.ops
-    joined = joining.admit(keys, 2, previous, CONFIG, seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+    joined = joining.admit(keys, 2, previous, CONFIG, seat_key=p.seat_key, publish_keys=p.publish_many_local_keys)
     pipelined = store_kind == "tcp" and k >= joining.PIPELINE_FROM
     assert joined == [(r, 1) for r in lost]
     reads = 2 * -(-2 * k // joining.KEYS_PER_REQUEST)  # a check and a multi_get per 256 records and seats
-    assert p.ops - calls == 2 + reads + (1 if pipelined else 0) + k + 1 + 1 + k + 1
-    assert p.ops - calls == (2 * k + 8 - (0 if pipelined else 1) if k <= 128 else 2 * k + 10)
+    assert p.ops - calls == 2 + reads + (1 if pipelined else 0) + k + 1 + 1 + k + 1 + 1
+    assert p.ops - calls == (2 * k + 9 - (0 if pipelined else 1) if k <= 128 else 2 * k + 11)
+    topology = [json.loads(line) for line in (p.counted.peek(p.job_key("topology")) or b"").decode().splitlines()]
+    assert topology == [[r, [[f"node-{r}"]]] for r in lost]
     assert [p.read_seat(r) for r in lost] == ["2@1"] * k
     assert [keys.wait_outcome(f"j{r}", 1.0) for r in lost] == [Outcome("admitted", 2, r, 1) for r in lost]
     assert keys.waiting() == 0
     calls = p.ops
     assert joining.admit(keys, 3, previous.with_joined(joined), CONFIG, seat_key=p.seat_key,
-                         publish_keys=p.publish_local_keys) == []
+                         publish_keys=p.publish_many_local_keys) == []
     assert p.ops - calls == 2
 
 
@@ -227,7 +232,7 @@ def test_a_joiner_withdrawn_while_the_leaders_batched_admission_runs_is_not_admi
                                             datetime.timedelta(seconds=10)), 0)
     racing = WithdrawnMeanwhile(p.counted, lambda: keys_of(monitor).resolve("b", Outcome("gone", why="died")))
     joined = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
-                           publish_keys=p.publish_local_keys)
+                           publish_keys=p.publish_many_local_keys)
     # The withdrawal came first: b is gone, its seat was not moved, and d, which asked for the same
     # seat after b, waits for the next barrier. a and c are admitted.
     assert racing.withdrawn == Outcome("gone", why="died")
@@ -286,7 +291,7 @@ def test_two_live_leaders_of_one_barrier_never_admit_two_joiners_into_one_seat(
 
     racing = OtherLeaderMeanwhile(p.counted, leader_b)
     by_a = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
-                         publish_keys=p.publish_local_keys)
+                         publish_keys=p.publish_many_local_keys)
     by_b = racing.ran
     assert by_b == [(1, 1)] and p.read_seat(1) == "2@1"
     admitted = [t for t in ("j1", "j2") if (o := k.read_outcome(t)) is not None and o.kind == "admitted"]

@@ -524,8 +524,8 @@ def admit(
 ) -> list[tuple[int, int]]:
     """The leader of ``barrier``: admit the pending joiners whose seats are free.
 
-    ``seat_key(r)`` names the seat of initial rank r; ``publish_keys(r, keys)``
-    publishes a joiner's topology keys for its seat. Returns the admitted
+    ``seat_key(r)`` names the seat of initial rank r; ``publish_keys([(r, keys), ...])``
+    publishes the admitted joiners' topology keys for their seats, all at once. Returns the admitted
     ``(seat, life)`` pairs in seat order, for the decision.
     """
     lines, pending, mark_read, _ = keys.pending(barrier)
@@ -581,9 +581,7 @@ def admit(
         keys.tell(earlier)
         _move_seats(keys, pipe, barrier, {seat: life for seat, (life, _, _) in admitted.items()}, seat_key,
                     seat_values)
-    for seat, (_, _, a) in sorted(admitted.items()):
-        if a.keys is not None:
-            publish_keys(seat, a.keys)
+    publish_keys([(seat, a.keys) for seat, (_, _, a) in sorted(admitted.items()) if a.keys is not None])
     # Until this barrier's decision is out, a leader that takes the lead over must see the admitted lines.
     looked = min(still_open, default=lines)
     settled = min(still_open + [index for _, index, _ in admitted.values()], default=lines)

@@ -654,8 +654,14 @@ class RestartProtocol:
     # -- topology -----------------------------------------------------------
 
     def publish_local_keys(self, initial_rank: int, keys: list[list[str]]) -> None:
-        line = json.dumps([initial_rank, keys], separators=(",", ":")) + "\n"
-        self.counted.append(self.job_key("topology"), line)
+        self.publish_many_local_keys([(initial_rank, keys)])
+
+    def publish_many_local_keys(self, entries: list[tuple[int, list[list[str]]]]) -> None:
+        """Each (initial rank, key lists) of ``entries`` in one append: a leader admitting K joiners
+        publishes their keys in one round trip, not K."""
+        if entries:
+            lines = "".join(json.dumps([rank, keys], separators=(",", ":")) + "\n" for rank, keys in entries)
+            self.counted.append(self.job_key("topology"), lines)
 
     def read_topology(self, initial_world_size: int) -> list[list[list[str]]]:
         """Per initial rank, the key lists it published (leader only, once per restart)."""
