@@ -71,6 +71,20 @@ def test_joiners_are_admitted_into_the_seats_lost_in_the_restart_before(ranks_pe
         assert admit["ops_per_rank_median"] == 0, phases
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("ranks_per_node", [8, 0], ids=["node", "direct"])
+def test_a_group_whose_ranks_are_all_lost_runs_again_when_their_joiners_come_back(ranks_per_node: int) -> None:
+    """One node per group and 8 joiners: the lost ranks are a whole node, so a group has no rank in
+    the restart that admits their joiners. It must wait for the restart after, in which the joiners
+    arrive as its ranks (its thread used to end: that restart never finished, at N = 256 by default)."""
+    n, k = 64, 8
+    cfg = SimConfig(procs=2, groups=4, restarts=3, joiners=k, decode="every-rank", settle_s=0.1, steady_s=0.2,
+                    heartbeat_rounds=0, timeout_s=30.0, ranks_per_node=ranks_per_node)
+    restarts = simulate(n, cfg)["per_restart"]
+    assert [(r["phase"], r["ranks"], r["joiners"]) for r in restarts] == [
+        ("lose", n - 1 - k, 0), ("admit", n - 2 - k, k), ("plain", n - 3, 0)], restarts
+
+
 def test_join_plan_blocks_avoid_the_faulty_ranks() -> None:
     faulty = pick_faulty(16, 3)  # [9, 0, 7]: both node-aligned blocks of 8 hold one
     plan = JoinPlan(16, 2, 3, faulty)

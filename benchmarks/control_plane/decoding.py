@@ -35,15 +35,22 @@ def decode_us(raw: bytes, samples: int = 5) -> float:
     return times[len(times) // 2] / 1e3
 
 
-def share_decoding() -> None:
-    """Let the ranks of this process share one decode of identical decision bytes."""
-    cache: dict[bytes, Decision] = {}
+def share_decoding(keep: int = 8) -> None:
+    """Let the ranks of this process share one decode of identical decision bytes.
+
+    The last ``keep`` decodes are kept and found by comparing bytes (a memcmp,
+    ~0.3 us for 8 kB), not by hashing them (each rank reads fresh bytes, whose
+    hash costs ~2 us at 8 kB and ~5 us at 17 kB).
+    """
+    recent: list[tuple[bytes, Decision]] = []
 
     def from_json(cls: type, raw: bytes) -> Decision:
-        key = bytes(raw)
-        d = cache.get(key)
-        if d is None:
-            d = cache[key] = _FRESH_DECODE(cls, raw)
+        for seen, d in recent:
+            if seen == raw:
+                return d
+        d = _FRESH_DECODE(cls, raw)
+        recent.insert(0, (bytes(raw), d))
+        del recent[keep:]
         return d
 
     Decision.from_json = classmethod(from_json)  # type: ignore[method-assign,assignment]

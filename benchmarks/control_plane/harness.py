@@ -222,7 +222,8 @@ class Session:
             restarts.append(r)
             joined = f", {r['joiners']} joiners admitted" if r.get("joiners") else ""
             self.progress(f"N={n} {mode}: restart {j + 1}/{cfg.restarts} ({r['phase']}): median "
-                          f"{r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms{joined}")
+                          f"{r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms (all woken {r['wake_max_ms']:.0f} ms, "
+                          f"leader {r['decided_ms']:.0f} ms){joined}")
         hb = self._heartbeats(clients)
         clients[0].ask({"cmd": "complete", "iteration": cfg.restarts}, cfg.timeout_s, "complete")
         for c in clients:

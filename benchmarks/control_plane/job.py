@@ -84,7 +84,7 @@ class SimJob:
         self.ranks_per_node: int = cfg.get("ranks_per_node", 0)
         self.reporters: dict[int, list[Any]] = {}  # restart -> [t0_ns, ops, requests, out, in]
         self.errors: list[str] = []
-        self.decision_raw: dict[int, bytes] = {}
+        self.leader_decision: dict[int, Decision] = {}  # encoded again after the window, for its size
         # Ranks of this process that hold each restart's decision (wake the command loop once, not per rank).
         self.expected_done = [sum(1 for r in range(self.lo, self.hi) if self.alive_in(r, j))
                               for j in range(len(self.faulty))]
@@ -145,6 +145,11 @@ class SimJob:
             return True
         return rank not in self.faulty[: iteration + 1] and not self.plan.away(rank, iteration)
 
+    def runs_again(self, ranks: list[SimRank], iteration: int) -> bool:
+        """Whether one of ``ranks`` runs iteration ``iteration`` or a later one: a group whose ranks
+        are all away (whole nodes lost) waits for the iteration in which their joiners come back."""
+        return any(self.alive_in(rs.rank, k) for k in range(iteration, len(self.faulty) + 1) for rs in ranks)
+
     def bump(self, counter: collections.Counter[int], key: int) -> None:
         with self.cond:
             counter[key] += 1
@@ -166,7 +171,7 @@ class SimJob:
             p = self.sims[leader].main
             t, calls = time.monotonic_ns(), p.ops
             joined = joining.admit(joining.JoinKeys(p.counted, p.call, p.incarnation), i + 1, previous, JOB_CONFIG,
-                                   seat_key=p.seat_key, publish_keys=p.publish_local_keys)
+                                   seat_key=p.seat_key, publish_keys=p.publish_many_local_keys)
             self.admit_ns[i] = time.monotonic_ns() - t
             self.admit_calls[i] = p.ops - calls
             decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,
@@ -177,34 +182,42 @@ class SimJob:
         return decide_fn
 
     def record(self, rs: SimRank, i: int, decision: Decision) -> None:
-        """``rs`` holds the decision of barrier i+1."""
-        t_done = time.monotonic_ns()
-        m = decision.membership
-        r = rs.rank
-        leader = decision.leader == r
-        mdigest = ""
-        if self.check_membership:  # O(N) per rank: small N only
-            mdigest = hashlib.sha1(json.dumps([m.mode, m.rank, m.active_rank]).encode()).hexdigest()[:16]
-        size = 0
-        if leader:
-            raw = decision.to_json().encode()
-            self.decision_raw[i] = raw
-            size = len(raw)
-        # rs.ops and rs.tally(), inline: this runs once per simulated rank in the timed window, on the
-        # thread that goes on with the group's next ranks, and a real rank pays none of it.
-        tc, mc, tt, mt = rs.trigger.counted, rs.main.counted, rs.t_tally, rs.m_tally
-        ops, now = tc.calls + mc.calls, (tc.requests + mc.requests, tt.out + mt.out, tt.inb + mt.inb)
-        digest = mt.decision
-        self.records[i].append([
-            r, rs.t_woken, t_done, ops - rs.last_ops, now[0] - rs.last[0], now[1] - rs.last[1], now[2] - rs.last[2],
-            int(leader), m.mode[r], m.rank[r], m.active_rank[r], digest, mdigest, decision.assignment_ns, size,
-        ])
-        rs.last_ops, rs.last = ops, now
+        """``rs`` holds the decision of barrier i+1 (now)."""
+        self.record_ranks(i, [(rs, decision, time.monotonic_ns())])
+
+    def record_ranks(self, i: int, held: list[tuple[SimRank, Decision, int]]) -> None:
+        """Each (rank, decision, when) of ``held`` held the decision of barrier i+1 from ``when`` on.
+
+        This runs in the timed window, on the thread that goes on with the group's next ranks, and
+        a real rank pays none of it: one call and one lock per node, rs.ops and rs.tally() inline.
+        """
+        rows = self.records[i]
+        m = None
+        for rs, decision, t_done in held:
+            m = decision.membership
+            r = rs.rank
+            leader = decision.leader == r
+            mdigest = ""
+            if self.check_membership:  # O(N) per rank: small N only
+                mdigest = hashlib.sha1(json.dumps([m.mode, m.rank, m.active_rank]).encode()).hexdigest()[:16]
+            if leader:  # not encoded here: at 16,384 ranks that took the leader's thread ~10 ms
+                self.leader_decision[i] = decision
+            tc, mc, tt, mt = rs.trigger.counted, rs.main.counted, rs.t_tally, rs.m_tally
+            ops, now = tc.calls + mc.calls, (tc.requests + mc.requests, tt.out + mt.out, tt.inb + mt.inb)
+            last = rs.last
+            rows.append([
+                r, rs.t_woken, t_done, ops - rs.last_ops, now[0] - last[0], now[1] - last[1], now[2] - last[2],
+                int(leader), m.mode[r], m.rank[r], m.active_rank[r], mt.decision, mdigest, decision.assignment_ns,
+                0,  # the leader's: its decision's size, set once the restart is over
+            ])
+            rs.last_ops, rs.last = ops, now
+        if m is None:
+            return
         with self.cond:
             if i + 1 not in self.world_size:  # Membership.world_size is O(N): once per process
                 self.memberships[i + 1] = m
                 self.world_size[i + 1] = m.world_size
-            self.done[i] += 1
+            self.done[i] += len(held)
             if self.done[i] == self.expected_done[i]:
                 self.cond.notify_all()
 
@@ -372,15 +385,21 @@ class SimJob:
                 self._kill(j)
             else:
                 self._raise_exception(j)
-        # Every group that ran iteration j starts iteration j+1 (and bumps "armed"),
-        # also one whose last live rank died in restart j (it then ends at once).
-        running = sum(1 for g in self.groups if any(self.alive_in(rs.rank, j) for rs in g.ranks))
+        # Every group with a rank that runs iteration j or a later one starts iteration j+1 (and bumps
+        # "armed"), also one whose last live rank died in restart j (it then ends at once).
+        running = sum(1 for g in self.groups if self.runs_again(g.ranks, j))
         self._wait_for(lambda: self.done[j] == self.expected_done[j] and self.armed[j + 1] == running,
                        f"restart {j} done")
-        raw = self.decision_raw.pop(j, None)
-        # The leader's process: the per-rank cost of decoding the decision.
-        decoding = decode_us(raw) if raw is not None else 0.0
-        return {"done": j, "records": self.records.pop(j, []), "nodes": self.node_records.pop(j, []),
+        records = self.records.pop(j, [])
+        decision = self.leader_decision.pop(j, None)
+        decoding = 0.0
+        if decision is not None:  # the leader's process: its decision's size, and what decoding it costs a rank
+            raw = decision.to_json().encode()
+            for rec in records:
+                if rec[7]:
+                    rec[14] = len(raw)
+            decoding = decode_us(raw)
+        return {"done": j, "records": records, "nodes": self.node_records.pop(j, []),
                 "reporter": self.reporters.get(j), "decode_us": decoding, "joiners": self._joined(j),
                 "admit_ns": self.admit_ns.pop(j, None), "admit_calls": self.admit_calls.pop(j, None)}
 

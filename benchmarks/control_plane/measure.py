@@ -142,6 +142,7 @@ def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: lis
         "max_ms": max(done_ms),
         "wake_median_ms": statistics.median(woken_ms),
         "wake_max_ms": max(woken_ms),
+        "decided_ms": (leader[2] - t0) / 1e6,  # the leader held its decision: it published it just before
         "ops_per_rank_median": statistics.median(ops),
         "ops_per_rank_max": max(ops),
         "ops_leader": leader[3],

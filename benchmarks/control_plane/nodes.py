@@ -61,7 +61,7 @@ class SimNode:
     """
 
     __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last",
-                 "native")
+                 "native", "_digest")
 
     def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
                  cap_s: float, pipe: Any = None, native: Optional[tuple[Any, Any]] = None):
@@ -82,6 +82,17 @@ class SimNode:
             self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
         self.last_ops = 0
         self.last = (0, 0, 0)
+        self._digest = (-1, "")
+
+    def board_digest(self, barrier: int) -> str:
+        """Digest of barrier ``barrier``'s decision as the board holds it ("" when it holds none: an
+        overflow, or another barrier's). Read once per barrier: only this node's group thread posts
+        to its board, so every rank that reads it in between reads these bytes."""
+        if self._digest[0] != barrier:
+            posted = self.board.read_decision()
+            ok = posted is not None and posted[0] == barrier and posted[1] is not None
+            self._digest = (barrier, hashlib.sha1(posted[1]).hexdigest()[:16] if ok else "")
+        return self._digest[1]
 
     def _tallied(self, p: RestartProtocol, tally: Tally, step: Any) -> Any:
         """A native step's bytes on its connection (SharedStore tallies the Python relay's itself)."""
@@ -106,9 +117,7 @@ class SimNode:
         go_on = bool(self._tallied(self.events, self.e_tally,
                                    lambda: self.relay.relay_decision(self.events, barrier, _give_up)))
         if self.native:  # the bytes it relayed, as SharedStore digests what the Python relay read
-            posted = self.board.read_decision()
-            if posted is not None and posted[0] == barrier and posted[1] is not None:
-                self.e_tally.decision = hashlib.sha1(posted[1]).hexdigest()[:16]
+            self.e_tally.decision = self.board_digest(barrier) or self.e_tally.decision
         return go_on
 
     @property
@@ -188,7 +197,10 @@ class NodeGroup:
                             self.live.append((node, ranks))
                     job.bump(job.armed, i)
                     if not self.live:
-                        return
+                        if not job.runs_again(self.ranks, i + 1):
+                            return
+                        self.iteration = i + 1  # its nodes come back later (joiners): skip to that iteration
+                        continue
                     if self._wake(i):
                         return  # the call completed
                     self.todo = collections.deque(self.live)
@@ -248,16 +260,17 @@ class NodeGroup:
         """(C) Every rank of the group but the leader holds the decision."""
         job = self.job
         expected = job.world_size[i]
+        decide = job.decide_fn(i)
         for node, ranks in self.live:
             node.relay_decision(i + 1)
             job.record_node(node, i)
+            held = []
             for rs in ranks:
                 if rs is self.leader:
                     continue
-                decision = rs.main.await_outcome(i + 1, rs.rank, expected, decide=job.decide_fn(i),
-                                                 timeout=job.timeout_s)
+                decision = rs.main.await_outcome(i + 1, rs.rank, expected, decide=decide, timeout=job.timeout_s)
+                held.append((rs, decision, time.monotonic_ns()))
+            for rs, _, _ in held:
                 if not rs.m_tally.decision:  # read from the board (else from the store: it was too large)
-                    posted = node.board.read_decision()
-                    if posted is not None and posted[0] == i + 1 and posted[1] is not None:
-                        rs.m_tally.decision = hashlib.sha1(posted[1]).hexdigest()[:16]
-                job.record(rs, i, decision)
+                    rs.m_tally.decision = node.board_digest(i + 1)
+            job.record_ranks(i, held)

@@ -136,7 +136,10 @@ class Group:
                     members = self.members(i)
                     job.bump(job.armed, i)
                     if not members:
-                        return
+                        if not job.runs_again(self.ranks, i + 1):
+                            return
+                        self.iteration = i + 1  # its ranks come back later (joiners): skip to that iteration
+                        continue
                     complete = False
                     for rs in members:  # (A)
                         if rs.trigger.wait_event(i, job.timeout_s) == COMPLETE:
