@@ -223,6 +223,7 @@ class Session:
             joined = f", {r['joiners']} joiners admitted" if r.get("joiners") else ""
             self.progress(f"N={n} {mode}: restart {j + 1}/{cfg.restarts} ({r['phase']}): median "
                           f"{r['median_ms']:.1f} ms, max {r['max_ms']:.1f} ms (all woken {r['wake_max_ms']:.0f} ms, "
+                          f"decide {r.get('decide_from_ms', 0):.0f}-{r.get('decide_to_ms', 0):.0f} ms, "
                           f"leader {r['decided_ms']:.0f} ms){joined}")
         hb = self._heartbeats(clients)
         clients[0].ask({"cmd": "complete", "iteration": cfg.restarts}, cfg.timeout_s, "complete")
@@ -265,6 +266,9 @@ class Session:
         r["phase"] = plan.phase(j)
         admit = [(d["admit_ns"], d["admit_calls"]) for d in done if d.get("admit_ns") is not None]
         t0 = next(d["reporter"][0] for d in done if d["reporter"] is not None)
+        decided = [d["decide_ns"] for d in done if d.get("decide_ns") is not None]
+        if decided:  # the leader's decide_fn (admit, assignment): after every arrival, before the decision is out
+            r["decide_from_ms"], r["decide_to_ms"] = ((t - t0) / 1e6 for t in decided[0])
         r.update(joiner_figures(j, t0, plan.admitted_in(j), done, set(r["decisions"]),
                                 admit[0][0] / 1e6 if admit else None, rows, admit[0][1] if admit else None))
         r["steady_requests_per_s"] = (s1 - s0) / cfg.steady_s if cfg.steady_s > 0 else 0.0

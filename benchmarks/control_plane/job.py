@@ -73,6 +73,7 @@ class SimJob:
         self.joiners: dict[int, SimJoiners] = {}  # restart -> this process's joiners admitted in it
         self.admit_ns: dict[int, int] = {}  # restart -> the leader's joining.admit, when it led here
         self.admit_calls: dict[int, int] = {}  # restart -> the store calls of that admit
+        self.decide_ns: dict[int, tuple[int, int]] = {}  # restart -> when the leader's decide_fn ran, when it led here
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
         self.memberships: dict[int, Membership] = {0: Membership.all_active(self.n)}
         self.world_size: dict[int, int] = {0: self.n}
@@ -177,6 +178,7 @@ class SimJob:
             decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,
                               i + 1, leader)
             decision.joined = joined
+            self.decide_ns[i] = (t, time.monotonic_ns())
             return decision
 
         return decide_fn
@@ -401,7 +403,8 @@ class SimJob:
             decoding = decode_us(raw)
         return {"done": j, "records": records, "nodes": self.node_records.pop(j, []),
                 "reporter": self.reporters.get(j), "decode_us": decoding, "joiners": self._joined(j),
-                "admit_ns": self.admit_ns.pop(j, None), "admit_calls": self.admit_calls.pop(j, None)}
+                "admit_ns": self.admit_ns.pop(j, None), "admit_calls": self.admit_calls.pop(j, None),
+                "decide_ns": self.decide_ns.pop(j, None)}
 
     def complete(self, iteration: int) -> None:
         """End the job's last iteration: every trigger wait returns "complete"."""
