@@ -270,7 +270,6 @@ class NodeGroup:
                     continue
                 decision = rs.main.await_outcome(i + 1, rs.rank, expected, decide=decide, timeout=job.timeout_s)
                 held.append((rs, decision, time.monotonic_ns()))
-            for rs, _, _ in held:
                 if not rs.m_tally.decision:  # read from the board (else from the store: it was too large)
                     rs.m_tally.decision = node.board_digest(i + 1)
             job.record_ranks(i, held)
