@@ -44,7 +44,7 @@ def measure(k: int, call: int, port: int) -> dict[str, Any]:
     lost = [r * (N // k) + 1 for r in range(k)]
     for r in lost:
         previous.mode[r] = TERMINATED
-        client.set(p.seat_key(r), seats.counted_out(1, f"m{r}"))
+    p.seat_table.write({r: seats.counted_out(1, f"m{r}") for r in lost})
     for r in lost:
         keys.announce(joining.Announcement(f"{HOST}-bench-{call}-{r}", r, HOST, r, CONFIG, None))
     out: dict[str, Any] = {"joiners": k}
@@ -52,7 +52,7 @@ def measure(k: int, call: int, port: int) -> dict[str, Any]:
     for barrier, name in [(2, "admitting"), (3, "next"), (4, "after")]:
         ops = p.ops
         t = time.perf_counter()
-        joined = joining.admit(keys, barrier, membership, CONFIG, seat_key=p.seat_key,
+        joined = joining.admit(keys, barrier, membership, CONFIG, seat_table=p.seat_table,
                                publish_keys=p.publish_many_local_keys)
         elapsed = time.perf_counter() - t
         if barrier == 2 and len(joined) != k:

@@ -9,7 +9,7 @@ runs it), for ``--nodes`` boards of 8 ranks, against a torch TCPStore server
 in a process of its own (its CPU is not counted):
 
 * ``forward``: 8 arrivals posted on the board, then the relay's forward (the
-  8 seats' compare_sets pipelined, one ``add``);
+  the node's 8 seats in one ``compare_set``, one ``add``);
 * ``relay_decision``: the decision of the barrier, already published (one
   blocking ``get``), posted on the board;
 * ``relay_event``: the next iteration's event, already set (one blocking ``get``);
@@ -40,6 +40,7 @@ from typing import Callable
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess import _native
+from inprocess.control import seat_table
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
@@ -72,7 +73,8 @@ def one_round(client: TCPStoreClient, relay_store: object, call: int, nodes: int
     boards = [_native.NodeBoard.create(SLOTS, DECISION_CAPACITY) for _ in range(nodes)]
     relays = [NativeNodeRelay(board) if native else NodeRelay(board) for board in boards]
     try:
-        client.multi_set([p.seat_key(r) for r in range(n)], ["0"] * n)  # every rank counted at barrier 0
+        seeded = seat_table.seeded(p.prefix, SLOTS, {r: "0" for r in range(n)})  # every rank counted at barrier 0
+        client.multi_set(list(seeded), list(seeded.values()))
         dead = n // 2
         fault = FaultRecord(dead, 0, "killed", "SIGKILL", "simulated", host="h", t_ns=1)
         decision = decide(Compose(ActivateAllRanks(), ShiftRanks()), Membership.all_active(n), {dead}, [fault], 1,

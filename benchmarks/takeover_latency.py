@@ -24,6 +24,7 @@ import time
 import torch.distributed as dist
 
 from inprocess.compose import Compose
+from inprocess.control import seat_table
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import TERMINATED_UNIT, Decision, FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
@@ -41,7 +42,8 @@ def one_takeover(server: dist.TCPStore, call: int, n: int) -> float:
 
     setup = RestartProtocol(server, call)
     setup.publish_decision(Decision(0, Membership.all_active(n), [], [], 0, leader=0))  # as barrier 0 left it
-    server.multi_set([setup.seat_key(r) for r in range(n)], ["0"] * n)
+    seeded = seat_table.seeded(setup.prefix, 1, {r: "0" for r in range(n)})
+    server.multi_set(list(seeded), list(seeded.values()))
     assignment = Compose(ActivateAllRanks(), ShiftRanks())
 
     def decide_fn(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:

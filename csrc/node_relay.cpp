@@ -1,6 +1,8 @@
 #include "node_relay.hpp"
 
+#include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 namespace inprocess {
@@ -68,7 +70,7 @@ int64_t NodeRelay::forward(StoreConnection& store) {
   int64_t n = 0;
   for (auto& [barrier, batch] : batches) {
     std::vector<int64_t> wanted;
-    std::vector<CompareSet> moves;
+    std::vector<SeatMove> moves;
     for (int64_t slot : batch.slots) {
       const auto seat = board_.slot_seat(slot);
       if (!seat) continue;
@@ -76,14 +78,14 @@ int64_t NodeRelay::forward(StoreConnection& store) {
       const bool life0 = seat->life == 0;
       const KeyTemplate::Values v{barrier, seat->initial_rank, seat->life, 0};
       wanted.push_back(slot);
-      moves.push_back(CompareSet{layout_.seat.expand(v), layout_.seat_expected[first][life0].expand(v),
-                                 layout_.seat_desired[first][life0].expand(v)});
+      moves.push_back(SeatMove{seat->initial_rank / layout_.seats_per_key,
+                               static_cast<size_t>(seat->initial_rank % layout_.seats_per_key),
+                               layout_.seat_expected[first][life0].expand(v),
+                               layout_.seat_desired[first][life0].expand(v)});
     }
     std::vector<bool> refused(static_cast<size_t>(slots), false);
     if (!moves.empty()) {
-      calls_ += static_cast<int64_t>(moves.size());
-      requests_ += static_cast<int64_t>(moves.size());
-      const std::vector<std::string> values = store.compare_set_many(moves);
+      const std::vector<std::string> values = move_seats(store, moves);
       for (size_t i = 0; i < wanted.size(); ++i) {
         if (values[i] != moves[i].desired) refused[static_cast<size_t>(wanted[i])] = true;
       }
@@ -123,6 +125,98 @@ int64_t NodeRelay::forward(StoreConnection& store) {
     n += amount;
   }
   return n;
+}
+
+std::vector<std::string> NodeRelay::decode_seats(int64_t index, const std::string& value) const {
+  const auto n = static_cast<size_t>(layout_.seats_per_key);
+  if (value.empty()) return std::vector<std::string>(n);
+  std::vector<std::string> seats;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = value.find(layout_.seat_separator, start);
+    seats.push_back(value.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) break;
+    start = end + layout_.seat_separator.size();
+  }
+  if (seats.size() != n) {
+    throw StoreProtocolViolation("seat key " + layout_.seat.expand(KeyTemplate::Values{0, index, 0, 0}) + " holds '" +
+                                 value + "': expected " + std::to_string(n) + " seat values");
+  }
+  return seats;
+}
+
+std::string NodeRelay::encode_seats(const std::vector<std::string>& seats) const {
+  std::string out;
+  bool any = false;
+  for (const std::string& seat : seats) any = any || !seat.empty();
+  if (!any) return out;  // no seat written: as a missing key
+  for (size_t i = 0; i < seats.size(); ++i) {
+    if (i > 0) out += layout_.seat_separator;
+    out += seats[i];
+  }
+  return out;
+}
+
+std::vector<std::string> NodeRelay::move_seats(StoreConnection& store, const std::vector<SeatMove>& moves) {
+  // Rewrites of one key per forward, as seat_table._ATTEMPTS_MIN and _ATTEMPTS_PER_SEAT: each needs
+  // another seat of the key to move in between, and a seat moves a few times per barrier.
+  const int64_t attempts = std::max<int64_t>(64, 4 * layout_.seats_per_key);
+  std::vector<std::string> answers(moves.size());
+  std::map<int64_t, std::vector<size_t>> pending;  // key index -> its moves not answered yet
+  for (size_t n = 0; n < moves.size(); ++n) pending[moves[n].index].push_back(n);
+  std::set<int64_t> answered;  // keys whose value the store answered in this call
+  for (int64_t attempt = 0; attempt < attempts; ++attempt) {
+    struct Write {
+      int64_t index;
+      std::string base;
+      std::vector<size_t> made;
+    };
+    std::vector<Write> writes;
+    std::vector<CompareSet> items;
+    for (const auto& [index, which] : pending) {
+      const auto known = seat_keys_.find(index);
+      std::vector<std::string> seats = decode_seats(index, known == seat_keys_.end() ? std::string() : known->second);
+      if (answered.count(index) == 0) {
+        // Only the store's answer refuses a move: the first write expects every seat moved
+        // where its move expects it, the key's other seats as last seen here.
+        for (size_t n : which) seats[moves[n].slot] = moves[n].expected;
+      }
+      std::string base = encode_seats(seats);
+      std::vector<size_t> made;
+      for (size_t n : which) {
+        const SeatMove& m = moves[n];
+        std::string& held = seats[m.slot];
+        if (held == m.expected && held != m.desired) {
+          held = m.desired;
+          made.push_back(n);
+        } else {
+          answers[n] = held;  // moved already, or refused: what the seat holds
+        }
+      }
+      if (made.empty()) continue;
+      items.push_back(CompareSet{layout_.seat.expand(KeyTemplate::Values{0, index, 0, 0}), base, encode_seats(seats)});
+      writes.push_back(Write{index, std::move(base), std::move(made)});
+    }
+    if (items.empty()) return answers;
+    calls_ += static_cast<int64_t>(items.size());
+    requests_ += static_cast<int64_t>(items.size());
+    const std::vector<std::string> values = store.compare_set_many(items);
+    pending.clear();
+    for (size_t w = 0; w < writes.size(); ++w) {
+      const Write& write = writes[w];
+      if (values[w] == items[w].desired) {
+        seat_keys_[write.index] = items[w].desired;
+        for (size_t n : write.made) answers[n] = moves[n].desired;
+        continue;
+      }
+      // compare_set answers a missing key with the expected value itself.
+      seat_keys_[write.index] = values[w] == write.base ? std::string() : values[w];
+      answered.insert(write.index);
+      pending[write.index] = write.made;
+    }
+  }
+  throw StoreProtocolViolation("seat keys kept changing while the node's seats were moved (" +
+                               std::to_string(attempts) + " writes)");
 }
 
 std::string NodeRelay::wait_get(StoreConnection& store, const std::string& key, const std::string& what,

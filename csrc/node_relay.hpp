@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -54,8 +55,11 @@ struct RelayLayout {
   KeyTemplate event;             // RestartProtocol.key(i, "event")
   std::string restart;           // the event's values
   std::string complete;
-  KeyTemplate seat;              // RestartProtocol.seat_key(r)
-  // The seat's compare_set (RestartProtocol._seat_move): [first barrier][life 0].
+  // The key of seats 8g..8g+7 (control/seat_table.py: SeatTable.key(g)), hole {r} = g.
+  KeyTemplate seat;
+  int64_t seats_per_key = 8;     // seat_table.SEATS_PER_KEY
+  std::string seat_separator;    // seat_table.SEPARATOR, between a key's seat values
+  // A seat's move (RestartProtocol._seat_move): [first barrier][life 0].
   KeyTemplate seat_expected[2][2];
   KeyTemplate seat_desired[2][2];
   KeyTemplate outcome_first;     // Terms.outcome_key(b, 0)
@@ -108,10 +112,22 @@ class NodeRelay {
  private:
   std::string wait_get(StoreConnection& store, const std::string& key, const std::string& what,
                        const Cancelled& cancelled, double chunk_s);
+  // What seat_table.SeatTable.compare_set_many does: each move (key index, slot, expected,
+  // desired) answered with what its seat holds afterwards; one compare_set per key, pipelined.
+  struct SeatMove {
+    int64_t index;
+    size_t slot;
+    std::string expected;
+    std::string desired;
+  };
+  std::vector<std::string> move_seats(StoreConnection& store, const std::vector<SeatMove>& moves);
+  std::vector<std::string> decode_seats(int64_t index, const std::string& value) const;
+  std::string encode_seats(const std::vector<std::string>& seats) const;
 
   NodeBoard& board_;
   RelayLayout layout_;
   std::vector<int64_t> forwarded_;  // the last barrier forwarded (or refused) per slot
+  std::map<int64_t, std::string> seat_keys_;  // each seat key's value as last written or answered
   int64_t adds_ = 0;
   int64_t calls_ = 0;
   int64_t requests_ = 0;

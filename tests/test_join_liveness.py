@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import WORKERS, leftover_processes
+from inprocess.control import seat_table
 from inprocess.control.incarnation import call_prefix
 from inprocess.control.joining import Announcement, JoinKeys, Outcome
 from inprocess.control.protocol import monitor_heartbeat_key
@@ -289,4 +290,4 @@ def test_a_grow_scheduled_when_the_function_returns_leaves_no_keys(tmp_path: pat
     grow_keys = [f"{prefix}{i}/{name}" for i in range(last + 1) for name in ("grow_at", "grow_arrivals")]
     assert [key for key in grow_keys if server.check([key])] == [], text[-4000:]
     # The store was read where the job wrote: its seats are there.
-    assert server.check([f"{prefix}seat/0"])
+    assert server.check([seat_table.key(prefix, 0)])

@@ -60,16 +60,12 @@ class OneNode:
         self.old = RestartProtocol(client(), link=NodeLink(self.board, 1))  # seat 1, life 0
         self.joiner = RestartProtocol(client(), link=NodeLink(self.board, 1))  # seat 1, life 1
         self.joiner.life = 1
-        self.server.set(self.rank0.seat_key(0), "1")
-        self.server.set(self.rank0.seat_key(1), "t2:m1")
-        assert self.server.check([self.rank0.seat_key(1)])
+        self.rank0.seat_table.write({0: "1", 1: "t2:m1"})
         self.old.post_arrival(2, 1, 2)  # the first process's last arrival, ...
         assert self.relay.forward(self.relay_protocol) == 0  # ... refused: its seat was counted out
         assert self.board.leads(1) == -1 and self.board.forwarded(1) == -1
         # Seat 0 went through barriers 2 and 3 (its store side is not what these tests look at).
-        self.server.set(self.rank0.seat_key(0), "3")
-        self.server.set(self.rank0.seat_key(1), seats.healthy(3, 1))  # barrier 3's leader admitted the joiner
-        assert self.server.check([self.rank0.seat_key(1)])
+        self.rank0.seat_table.write({0: "3", 1: seats.healthy(3, 1)})  # barrier 3's leader admitted the joiner
         self.assignment = Compose(ActivateAllRanks(), ShiftRanks())
 
     def decide_fn(self, barrier: int) -> Callable[[set[int], list[Any], int], Decision]:
@@ -194,8 +190,7 @@ def test_a_waiting_joiner_reads_its_record_once_per_board_news_and_takes_the_adm
     joiner.life = 0  # not admitted yet: it learns its life from its admission
     keys = JoinKeys(CountingStore(node.client()), joiner.call, joiner.incarnation)
     keys.name_running_incarnation()
-    node.server.set(node.rank0.seat_key(1), "t2:m1")  # free: counted out at barrier 2
-    assert node.server.check([node.rank0.seat_key(1)])
+    node.rank0.seat_table.write({1: "t2:m1"})  # free: counted out at barrier 2
     node.board.post_event(2, False)  # the restart after iteration 2 is under way
     state = State(rank=1, world_size=2)
     got: list[Decision] = []

@@ -33,7 +33,7 @@ def keys_of(p: RestartProtocol) -> JoinKeys:
 
 
 def admit(p: RestartProtocol, barrier: int, previous: Membership) -> list[tuple[int, int]]:
-    return joining.admit(keys_of(p), barrier, previous, CONFIG, seat_key=p.seat_key,
+    return joining.admit(keys_of(p), barrier, previous, CONFIG, seat_table=p.seat_table,
                          publish_keys=p.publish_many_local_keys)
 
 
@@ -116,7 +116,7 @@ def test_the_difference_of_two_configurations_names_the_first_entry_that_differs
 def test_the_leader_refuses_admits_and_leaves_waiting_as_each_joiner_deserves(protocol: RestartProtocol) -> None:
     p = protocol
     # Seat 2 was counted out at barrier 1 (life 0); seat 3 is held by a running process.
-    p.counted.set(p.seat_key(2), seats.counted_out(1, "m2"))
+    p.seat_table.write({2: seats.counted_out(1, "m2")})
     k = keys_of(p)
     k.announce(Announcement("unfit", 2, "h", 1, {**CONFIG, "soft_timeout": "0:00:30"}))
     k.announce(Announcement("held", 3, "h", 2, CONFIG))
@@ -151,7 +151,7 @@ def test_a_joiner_withdrawn_first_is_not_admitted_and_an_admitted_one_cannot_be_
         protocol: RestartProtocol) -> None:
     p = protocol
     k = keys_of(p)
-    p.counted.set(p.seat_key(1), seats.counted_out(1, "m1"))
+    p.seat_table.write({1: seats.counted_out(1, "m1")})
     k.announce(Announcement("early", 1, "h", 1, CONFIG))
     assert k.resolve("early", Outcome("gone", why="died")).kind == "gone"
     k.announce(Announcement("late", 1, "h", 2, CONFIG))
@@ -162,7 +162,7 @@ def test_a_joiner_withdrawn_first_is_not_admitted_and_an_admitted_one_cannot_be_
 def lost_seats(p: RestartProtocol, lost: list[int], n: int) -> Membership:
     """A membership of ``n`` seats in which ``lost`` were counted out at barrier 1 (life 0)."""
     for r in lost:
-        p.counted.set(p.seat_key(r), seats.counted_out(1, f"m{r}"))
+        p.seat_table.write({r: seats.counted_out(1, f"m{r}")})
     return shrunk(lost, n)
 
 
@@ -186,7 +186,7 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_l
     for r in lost:
         keys.announce(Announcement(f"j{r}", r, "h", r, CONFIG, [[f"node-{r}"]]))
     calls = p.ops
-    joined = joining.admit(keys, 2, previous, CONFIG, seat_key=p.seat_key, publish_keys=p.publish_many_local_keys)
+    joined = joining.admit(keys, 2, previous, CONFIG, seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
     pipelined = store_kind == "tcp" and k >= joining.PIPELINE_FROM
     assert joined == [(r, 1) for r in lost]
     reads = 2 * -(-2 * k // joining.KEYS_PER_REQUEST)  # a check and a multi_get per 256 records and seats
@@ -198,7 +198,7 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_l
     assert [keys.wait_outcome(f"j{r}", 1.0) for r in lost] == [Outcome("admitted", 2, r, 1) for r in lost]
     assert keys.waiting() == 0
     calls = p.ops
-    assert joining.admit(keys, 3, previous.with_joined(joined), CONFIG, seat_key=p.seat_key,
+    assert joining.admit(keys, 3, previous.with_joined(joined), CONFIG, seat_table=p.seat_table,
                          publish_keys=p.publish_many_local_keys) == []
     assert p.ops - calls == 2
 
@@ -231,7 +231,7 @@ def test_a_joiner_withdrawn_while_the_leaders_batched_admission_runs_is_not_admi
     monitor = RestartProtocol(dist.TCPStore("127.0.0.1", p.counted.raw.port, 1, False,
                                             datetime.timedelta(seconds=10)), 0)
     racing = WithdrawnMeanwhile(p.counted, lambda: keys_of(monitor).resolve("b", Outcome("gone", why="died")))
-    joined = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
+    joined = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_table=p.seat_table,
                            publish_keys=p.publish_many_local_keys)
     # The withdrawal came first: b is gone, its seat was not moved, and d, which asked for the same
     # seat after b, waits for the next barrier. a and c are admitted.
@@ -290,7 +290,7 @@ def test_two_live_leaders_of_one_barrier_never_admit_two_joiners_into_one_seat(
         return admit(other, 2, previous)
 
     racing = OtherLeaderMeanwhile(p.counted, leader_b)
-    by_a = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_key=p.seat_key,
+    by_a = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_table=p.seat_table,
                          publish_keys=p.publish_many_local_keys)
     by_b = racing.ran
     assert by_b == [(1, 1)] and p.read_seat(1) == "2@1"
@@ -355,7 +355,7 @@ def test_a_resolved_mark_starts_a_later_barrier_past_the_admitted_lines() -> Non
 
 def test_the_next_life_follows_the_seats_last_one(protocol: RestartProtocol) -> None:
     p = protocol
-    p.counted.set(p.seat_key(0), seats.counted_out(6, "m0", 2))
+    p.seat_table.write({0: seats.counted_out(6, "m0", 2)})
     keys_of(p).announce(Announcement("third", 0, "h", 1, CONFIG))
     assert admit(p, 7, shrunk([0])) == [(0, 3)]
     assert p.read_seat(0) == "7@3"

@@ -164,7 +164,7 @@ def _in_iteration(store: Any, rank: int, iteration: int, world_size: int = 4) ->
     from inprocess.control.protocol import Decision
 
     p = RestartProtocol(store, 0)
-    store.set(p.seat_key(rank), str(iteration))
+    p.seat_table.write({rank: str(iteration)})
     p.publish_decision(Decision(iteration, Membership.all_active(world_size), [], [], 0, leader=0))
 
 
@@ -296,7 +296,7 @@ def test_rank_that_arrived_at_the_restart_barrier(rank_run: Any, store: Any) -> 
     from inprocess.control.protocol import Decision
 
     p = RestartProtocol(store, 0)
-    store.set(p.seat_key(1), "3")  # counted itself in at barrier 3
+    p.seat_table.write({1: "3"})  # counted itself in at barrier 3
     membership = Membership.all_active(4)
     membership.terminate({2})
     p.publish_decision(Decision(3, membership, [2], [], 0, leader=0))
@@ -328,7 +328,7 @@ def test_the_leader_dead_before_its_decision_is_excluded_by_it(rank_run: Any, st
     p = RestartProtocol(store, 0)
     p.publish_decision(Decision(2, Membership.all_active(4), [], [], 0, leader=0))  # expected at barrier 3: 4
     for r in range(4):
-        store.set(p.seat_key(r), "2")
+        p.seat_table.write({r: "2"})
     assert p.arrive(3, 1, 4) == (1, 0, False)  # rank 1 first: the leader
     run = rank_run(phase="RESTART_BARRIER")
     run.ready()
@@ -359,7 +359,7 @@ def test_the_leader_dead_before_its_decision_is_excluded_by_it(rank_run: Any, st
     assert d.term == 1 and d.leader in (0, 2, 3) and d.terminated == [1] and d.membership.world_size == 3
     assert [(f.rank, f.kind, f.type) for f in d.faults] == [(1, "killed", "SIGKILL")]
     assert "phase RESTART_BARRIER" in d.faults[0].message
-    assert store.get(p.seat_key(1)) == b"t3:m1"  # counted out at barrier 3 itself, by its monitor
+    assert p.read_seat(1) == "t3:m1"  # counted out at barrier 3 itself, by its monitor
     assert not store.check(["inprocess/0/4/arrivals"])  # nothing waits at barrier 4 for it
     assert "counted rank 1 out at barrier 3" in run.log()
 
@@ -419,7 +419,7 @@ def test_a_silent_peer_is_counted_out_and_only_it(rank_run: Any, store: Any, ran
     created was never watched: the job waited at the restart barrier until barrier_timeout."""
     interval, timeout = 0.1, 2.0
     keys = {r: monitor_heartbeat_key(0, r) for r in (0, 2, 3)}
-    store.set(RestartProtocol(store, 0).seat_key(0), "2")  # rank 0 runs iteration 2, as rank 1 does
+    RestartProtocol(store, 0).seat_table.write({0: "2"})  # rank 0 runs iteration 2, as rank 1 does
     if rank0_beat:
         store.add(keys[0], 1)
     run = rank_run(action="wait", heartbeat_interval_s=interval, heartbeat_timeout_s=timeout,

@@ -221,17 +221,20 @@ def test_a_change_of_the_seat_values_is_followed_or_refused(monkeypatch: pytest.
 
 
 class Node:
-    """A fresh server, a board of SLOTS slots and a relay of one kind over its own connections."""
+    """A fresh server, a board of SLOTS slots and a relay of one kind over its own connections;
+    ``per_key`` seats per key (control/seat_table.py), as the test's own protocol proposes first."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, per_key: int = 1):
         self.kind = kind
         self.server = _server()
         self.address = f"{HOST}:{self.server.port}"
         self.board = _native.NodeBoard.create(SLOTS, DECISION_CAPACITY)
         self.relay: Any = NodeRelay(self.board) if kind == "python" else NativeNodeRelay(self.board)
-        self.forward_p = RestartProtocol(self.connect())
+        self.p = RestartProtocol(dist.TCPStore(HOST, self.server.port, is_master=False, timeout=_td(10)),
+                                 seats_per_key=per_key)
+        assert self.p.seat_table.per_key == per_key
+        self.forward_p = RestartProtocol(self.connect(), seats_per_key=SLOTS)  # an agent's proposal: adopts p's
         self.broadcast_p = RestartProtocol(self.connect())
-        self.p = RestartProtocol(dist.TCPStore(HOST, self.server.port, is_master=False, timeout=_td(10)))
 
     def connect(self) -> Any:
         if self.kind == "python":
@@ -244,7 +247,7 @@ class Node:
         self.board.unmap()
 
     def seat(self, rank: int, value: str) -> None:
-        self.server.set(self.p.seat_key(rank), value)
+        self.p.seat_table.write({rank: value})
 
     def state(self, barriers: range) -> dict[str, Any]:
         """What the store and the board hold, as both relays must leave them."""
@@ -254,7 +257,7 @@ class Node:
             return server.get(key) if server.check([key]) else None
 
         return {
-            "seats": [value(p.seat_key(r)) for r in range(WORLD)],
+            "seats": [None if s is None else s.encode() for s in map(RestartProtocol(server).read_seat, range(WORLD))],
             "arrivals": [value(p.key(b, "arrivals")) for b in barriers],
             "ready": [value(p.key(b, "ready")) for b in barriers],
             "forwarded": [board.forwarded(s) for s in range(SLOTS)],
@@ -265,11 +268,11 @@ class Node:
         }
 
 
-def both(scenario: Callable[[Node], Any], barriers: range = range(4)) -> tuple[Any, dict[str, Any]]:
+def both(scenario: Callable[[Node], Any], barriers: range = range(4), per_key: int = 1) -> tuple[Any, dict[str, Any]]:
     """Run ``scenario`` with each relay; assert they end alike; returns what it returned and the state."""
     results = {}
     for kind in ("python", "native"):
-        node = Node(kind)
+        node = Node(kind, per_key)
         try:
             try:
                 out: Any = scenario(node)
@@ -287,16 +290,25 @@ def _arrive(node: Node, slots: list[int], barrier: int, *, life: int = 0, first_
         node.board.arrive(slot, barrier, WORLD, first_rank + slot, life)
 
 
+# Seats per key: one per rank (no agents), a node over two keys (written together, pipelined), the
+# node's (SLOTS), and a key shared with another node (WORLD).
+PER_KEY = [1, 2, SLOTS, WORLD]
+
+
 @pytest.mark.timeout(60)
-def test_all_seats_taken_one_add_and_the_lowest_slot_leads() -> None:
-    def scenario(node: Node) -> int:
+@pytest.mark.parametrize("per_key", PER_KEY)
+def test_all_seats_taken_one_add_and_the_lowest_slot_leads(per_key: int) -> None:
+    def scenario(node: Node) -> tuple[int, int]:
         for r in range(SLOTS):
             node.seat(r, "0")
         _arrive(node, list(range(SLOTS)), 1)
-        return int(node.relay.forward(node.forward_p)) * 10 + int(node.relay.forward(node.forward_p))
+        n = int(node.relay.forward(node.forward_p)) * 10 + int(node.relay.forward(node.forward_p))
+        return n, node.forward_p.ops
 
-    n, state = both(scenario)
+    (n, ops), state = both(scenario, per_key=per_key)
     assert n == SLOTS * 10  # the second forward finds nothing new
+    # The seats per key (asked once), a compare_set per seat key (the node's 4 seats: 4, 2, 1 or 1), one add.
+    assert ops == 1 + -(-SLOTS // per_key) + 1
     assert state["seats"][:SLOTS] == [b"1"] * SLOTS and state["arrivals"][1] == str(SLOTS).encode()
     assert state["leads"] == [1, -1, -1, -1] and state["forwarded"] == [1] * SLOTS and state["ready"][1] is None
 
@@ -315,32 +327,40 @@ def test_barrier_zero_and_a_later_life_take_the_seats_the_protocol_names() -> No
 
 
 @pytest.mark.timeout(60)
-def test_a_seat_counted_out_by_someone_else_first_is_refused() -> None:
-    def scenario(node: Node) -> int:
+@pytest.mark.parametrize("per_key", PER_KEY)
+def test_a_seat_counted_out_by_someone_else_first_is_refused(per_key: int) -> None:
+    def scenario(node: Node) -> tuple[int, int]:
         for r in range(SLOTS):
             node.seat(r, "0")
         node.seat(2, seats.counted_out(1, "m2"))  # rank 2's monitor counted it out at barrier 1
         _arrive(node, list(range(SLOTS)), 1)
-        return int(node.relay.forward(node.forward_p))
+        return int(node.relay.forward(node.forward_p)), node.forward_p.ops
 
-    n, state = both(scenario)
+    (n, ops), state = both(scenario, per_key=per_key)
+    # A key per seat: 4 compare_sets, one refused. A shared key: the first write expects rank 2's seat
+    # at "0", the store answers the key as it is, and the second write leaves that seat as it found it.
+    assert ops == 1 + {1: 4, 2: 2 + 1, SLOTS: 1 + 1, WORLD: 1 + 1}[per_key] + 1
     assert n == SLOTS - 1 and state["arrivals"][1] == b"3"
     assert state["seats"][2] == b"t1:m2" and state["refused"][2] == [False, True, False, False]
     assert state["forwarded"] == [1, 1, -1, 1]  # refused: not counted on the board, not looked at again
 
 
 @pytest.mark.timeout(60)
-def test_two_barriers_pending_at_once_are_forwarded_oldest_first() -> None:
-    def scenario(node: Node) -> int:
+@pytest.mark.parametrize("per_key", PER_KEY)
+def test_two_barriers_pending_at_once_are_forwarded_oldest_first(per_key: int) -> None:
+    def scenario(node: Node) -> tuple[int, int]:
         node.seat(0, "0")
         node.seat(1, "0")
         node.seat(2, "1")
         node.seat(3, "1")
         _arrive(node, [0, 1], 1)
         _arrive(node, [2, 3], 2)
-        return int(node.relay.forward(node.forward_p))
+        return int(node.relay.forward(node.forward_p)), node.forward_p.ops
 
-    n, state = both(scenario)
+    (n, ops), state = both(scenario, per_key=per_key)
+    # Keys of 4 or 8: barrier 1's write expects seats 2 and 3 as the relay last saw them (never:
+    # unwritten), is answered with the key, sent again; barrier 2's then expects what that answer said.
+    assert ops == 1 + {1: 4, 2: 2, SLOTS: 3, WORLD: 3}[per_key] + 2
     assert n == 4 and state["arrivals"][1:3] == [b"2", b"2"]
     assert state["leads"] == [1, -1, 2, -1] and state["forwarded"] == [1, 1, 2, 2]
 
@@ -471,6 +491,7 @@ def test_the_server_gone_fails_a_step_with_the_stores_address() -> None:
         try:
             address = node.address
             node.board.arrive(0, 1, WORLD, 0, 0)
+            assert node.forward_p.seat_table.per_key == 1  # asked at barrier 0 in a job, before the server went
             node.p = None  # type: ignore[assignment]  # the master's last reference goes below
             node.server = None  # type: ignore[assignment]
             time.sleep(0.3)
@@ -493,8 +514,10 @@ def test_another_store_goes_through_node_relay_and_the_slots_state_carries_over(
     native_p = RestartProtocol(_native.StoreConnection(HOST, server.port, timeout=5, connect_timeout=5))
     try:
         relay = NativeNodeRelay(board)
-        for r in range(SLOTS):
-            server.set(python_p.seat_key(r), "0")
+        RestartProtocol(server).seat_table.write({r: "0" for r in range(SLOTS)})
+        # Each asks the call's seats per key once (an agent's does at barrier 0): one call, before the counts.
+        assert python_p.seat_table.per_key == native_p.seat_table.per_key == 1
+        python_p.counted.calls = native_p.counted.calls = 0
         _arrive_on(board, list(range(SLOTS)), 1)
         assert relay.forward(python_p) == SLOTS and python_p.ops == SLOTS + 1  # NodeRelay: seats, one add
         assert relay.forward(native_p) == 0 and native_p.ops == 0  # forwarded already: not counted twice
@@ -513,3 +536,48 @@ def test_another_store_goes_through_node_relay_and_the_slots_state_carries_over(
 def _arrive_on(board: Any, slots: list[int], barrier: int) -> None:
     for slot in slots:
         board.arrive(slot, barrier, WORLD, slot, 0)
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_share_a_seat_key_and_each_counts_its_ranks_once_per_barrier() -> None:
+    """Nodes of 4 ranks, 8 seats per key: the two agents (one relay of each kind) write the same key
+    at once at every barrier; every seat moves, every barrier counts 8."""
+    server = _server()
+    p = RestartProtocol(server, seats_per_key=WORLD)
+    p.seat_table.write({r: "0" for r in range(WORLD)})
+    boards = [_native.NodeBoard.create(SLOTS, DECISION_CAPACITY) for _ in range(2)]
+    relays: list[Any] = [NodeRelay(boards[0]), NativeNodeRelay(boards[1])]
+    forward = [RestartProtocol(TCPStoreClient(HOST, server.port, timeout=5, connect_timeout=5), seats_per_key=SLOTS),
+               RestartProtocol(_native.StoreConnection(HOST, server.port, timeout=5, connect_timeout=5),
+                               seats_per_key=SLOTS)]
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def agent(k: int) -> None:
+        try:
+            for b in range(1, 21):
+                for slot in range(SLOTS):
+                    boards[k].arrive(slot, b, WORLD, SLOTS * k + slot, 0)
+                start.wait(10)
+                assert relays[k].forward(forward[k]) == SLOTS
+        except BaseException as e:
+            errors.append(e)
+            start.abort()
+
+    threads = [threading.Thread(target=agent, args=(k,)) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert [server.add(p.key(b, "arrivals"), 0) for b in range(1, 21)] == [WORLD] * 20
+        assert p.seat_table.read_many(list(range(WORLD))) == {r: "20" for r in range(WORLD)}
+        assert all(f.seat_table.per_key == WORLD for f in forward)  # both adopted the call's, not their proposal
+        # Per barrier an agent writes the key once, and again for each time the other wrote in between.
+        assert all(1 + 20 + 20 <= f.ops <= 1 + 20 + 3 * 20 for f in forward), [f.ops for f in forward]
+    finally:
+        for f in forward:
+            f.store.close()
+        for board in boards:
+            board.unmap()

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inprocess.compose import Compose
+from inprocess.control import seat_table
 from inprocess.control.leadership import LOST_MARK, lost_mark, parse_lost_mark
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import TERMINATED_UNIT, Decision, FaultRecord, RestartProtocol
@@ -48,9 +49,9 @@ class Job:
         self.use_libuv = use_libuv
         p = self.protocol()
         p.publish_decision(Decision(BARRIER - 1, Membership.all_active(n), [], [], 0, leader=0))
-        seats = [p.seat_key(r) for r in range(n)]
-        self.server.multi_set(seats, [str(BARRIER - 1)] * n)
-        assert self.server.check(seats)  # answered: the server holds them
+        seeded = seat_table.seeded(p.prefix, 1, {r: str(BARRIER - 1) for r in range(n)})
+        self.server.multi_set(list(seeded), list(seeded.values()))
+        assert self.server.check(list(seeded))  # answered: the server holds them
         self.decided: list[tuple[int, int]] = []  # (leader, term) of every decide call
         self.lock = threading.Lock()
         self.results: dict[int, Any] = {}
@@ -153,7 +154,7 @@ def test_a_leader_lost_before_its_decision_is_excluded_by_that_barriers_decision
     assert d.leader == job.decided[0][0] != 1
     assert parse_lost_mark(job.value("decision") or b"") == d.faults[0]  # term 0 ended with the mark
     assert job.value("lead.1") == str(d.leader).encode()
-    assert job.server.get(job.protocol(job.server).seat_key(1)) == b"t2:m1"
+    assert job.protocol(job.server).read_seat(1) == "t2:m1"
     # Woken by the mark (a blocking get on the key it creates), not by a poll interval.
     assert took < 2.0, f"{took:.2f}s from the mark to every rank's decision"
 
@@ -297,7 +298,7 @@ def test_two_declarers_of_one_lost_leader_mark_it_once() -> None:
     monitor = RestartProtocol(peer)
     fault = FaultRecord(1, 1, "unresponsive", "HeartbeatTimeout", "silent")
     assert monitor.count_out(1, lambda i: fault, lambda b: 4, timeout=10, who="m3") is None
-    assert job.server.get(monitor.seat_key(1)) == b"t2:m1"
+    assert monitor.read_seat(1) == "t2:m1"
     assert parse_lost_mark(job.value("decision") or b"") is not None
     assert job.value("decision.1") is None  # one mark: term 1 is still open for a taker
 
@@ -346,8 +347,9 @@ def test_without_a_fault_the_leader_sends_one_request_more_and_the_others_none()
     (its seat, its add, one blocking get: 4 requests), and no takeover key is written."""
     job = Job(4)
     protocols = [job.protocol() for _ in range(4)]
-    for p in protocols:  # as in a job: each rank read barrier 1's decision, so its terms are known
+    for p in protocols:  # as in a job: each rank read barrier 1's decision, so its terms are known,
         p.wait_decision(BARRIER - 1, 5)
+        assert p.seat_table.per_key == 1  # and took its seat before, so its call's seats per key are too
     before = [(p.ops, p.requests) for p in protocols]
     threads = [job.waiter(0, p=protocols[0])]
     job.wait_arrivals(1)  # rank 0 leads

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch.distributed as dist
 
+from inprocess.control import seat_table
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol
 
@@ -46,9 +47,9 @@ def test_two_claimants_of_one_seat_count_it_once(second: str) -> None:
         return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
 
     n, lost = 4, 2
-    seats = [RestartProtocol(server).seat_key(r) for r in range(n)]
-    server.multi_set(seats, ["0"] * n)
-    assert server.check(seats)  # answered: the server holds them
+    seeded = seat_table.seeded("inprocess/0/", 1, {r: "0" for r in range(n)})
+    server.multi_set(list(seeded), list(seeded.values()))
+    assert server.check(list(seeded))  # answered: the server holds them
     # As barrier 0 left them: decided (a rank lost before that decision is counted out of
     # barrier 0 itself: tests/test_takeover.py).
     RestartProtocol(server).publish_decision(Decision(0, Membership.all_active(n), [], [], 0, leader=0))
@@ -69,4 +70,4 @@ def test_two_claimants_of_one_seat_count_it_once(second: str) -> None:
     assert first.count_out(lost, fault, lambda b: n, timeout=10, who="m0") is None
     arrivals = server.add(first.key(1, "arrivals"), 0)
     assert (arrivals & 0xFFFFFFFF, arrivals >> 32) == (0, 1), "rank 2 was counted out more than once"
-    assert server.get(seats[lost]).decode() == ("t1:m3" if second == "monitor" else "t1:self")
+    assert RestartProtocol(server).read_seat(lost) == ("t1:m3" if second == "monitor" else "t1:self")

@@ -3,7 +3,7 @@
 One restart, as the wrapper does it (``inprocess/engine/trigger.py``, the
 call wrapper, ``inprocess/processes/monitor.py`` and ``node_agent.py``):
 
-0. setup, not measured: every rank's seat (``inprocess/<call>/seat/<r>``) is
+0. setup, not measured: every rank's seat (in ``inprocess/<call>/seat/g<r // 8>``) is
    written "0" with ``multi_set`` and barrier 0's decision is out, as the
    job's initial barrier leaves them, and every monitor's heartbeat counter
    exists; the simulated restarts then go through barriers 1, 2, ...;
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from inprocess import _native
 from inprocess.compose import Compose
-from inprocess.control import joining
+from inprocess.control import joining, seat_table
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink
 from inprocess.control.protocol import COMPLETE, RestartProtocol, monitor_heartbeat_key
@@ -172,7 +172,7 @@ class SimJob:
             p = self.sims[leader].main
             t, calls = time.monotonic_ns(), p.ops
             joined = joining.admit(joining.JoinKeys(p.counted, p.call, p.incarnation), i + 1, previous, JOB_CONFIG,
-                                   seat_key=p.seat_key, publish_keys=p.publish_many_local_keys)
+                                   seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
             self.admit_ns[i] = time.monotonic_ns() - t
             self.admit_calls[i] = p.ops - calls
             decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,
@@ -291,10 +291,11 @@ class SimJob:
             if self.errors:
                 raise RuntimeError("; ".join(self.errors[:5]))
 
-    def _seed(self, keys: list[str], value: str) -> None:
-        for k in range(0, len(keys), _SEED_BATCH):
-            chunk = keys[k:k + _SEED_BATCH]
-            self.conns.control.multi_set(chunk, [value] * len(chunk))
+    def _seed(self, values: dict[str, str]) -> None:
+        items = list(values.items())
+        for k in range(0, len(items), _SEED_BATCH):
+            chunk = items[k:k + _SEED_BATCH]
+            self.conns.control.multi_set([key for key, _ in chunk], [value for _, value in chunk])
 
     def start(self) -> dict[str, Any]:
         """Setup, not measured, then every group armed for iteration 0.
@@ -308,14 +309,23 @@ class SimJob:
         outside any rank's tally and before the first steady-state window.
         """
         seats = RestartProtocol(None, self.call)
-        self._seed([seats.seat_key(r) for r in range(self.lo, self.hi)], "0")
+        # Node mode: a seat key per node, as the agents propose (control/seat_table.py); direct mode: per rank.
+        per_key = self.ranks_per_node or 1
+        if self.lo % per_key or (self.hi % per_key and self.hi != self.n):
+            raise ValueError(f"ranks {self.lo}..{self.hi - 1}: this process would share a seat key with another")
+        self._seed(seat_table.seeded(seats.prefix, per_key, {r: "0" for r in range(self.lo, self.hi)}))
+        for node in self.nodes:
+            node.after_barrier_zero()
+        if not self.nodes:  # direct mode: every rank took its seat at barrier 0 itself
+            for rs in self.sims.values():
+                rs.after_barrier_zero()
         initial = Decision(0, Membership.all_active(self.n), [], [], 0, leader=0)
         self.conns.control.set(seats.key(0, "decision"), initial.to_json())  # the same bytes from every process
         # Barrier 0's leader names the job's incarnation for joiners (joining.JoinKeys.name_running_incarnation).
         self.conns.control.set(joining.running_key(self.call), seats.incarnation)
         for rs in self.sims.values():
             rs.main.terms.saw(0, initial.term)
-        self._seed([monitor_heartbeat_key(self.call, r) for r in range(self.lo, self.hi)], "1")
+        self._seed({monitor_heartbeat_key(self.call, r): "1" for r in range(self.lo, self.hi)})
         for g in self.groups:
             g.thread.start()
         self._wait_for(lambda: self.armed[0] == len(self.groups), "groups armed")

@@ -75,13 +75,20 @@ class SimNode:
             forward_conn, broadcast_conn = native
             self.relay = NativeNodeRelay(board)
             self.events = RestartProtocol(broadcast_conn, call)
-            self.arrivals = RestartProtocol(forward_conn, call)
+            self.arrivals = RestartProtocol(forward_conn, call, seats_per_key=board.slots)
         else:
             self.relay = NodeRelay(board)
             self.events = RestartProtocol(SharedStore(op_conn, wait_conn, self.e_tally, group, cap_s), call)
-            self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call)
+            self.arrivals = RestartProtocol(SharedStore(op_conn, wait_conn, self.a_tally, group, cap_s, pipe), call,
+                                            seats_per_key=board.slots)
         self.last_ops = 0
         self.last = (0, 0, 0)
+
+    def after_barrier_zero(self) -> None:
+        """What the node's agent learnt at the job's barrier 0, which the simulation does not run:
+        the call's seats per key (control/seat_table.py). Setup: not counted in any restart."""
+        self.arrivals.seat_table.per_key  # noqa: B018  # asked once, then known
+        self.last_ops, self.last = self.ops, self.tally()
         self._digest = (-1, "")
 
     def board_digest(self, barrier: int) -> str:
@@ -139,7 +146,7 @@ class NodeGroup:
         (answered by the board: no store request);
     (B) ``main.post_arrival(i+1)`` for each of the node's ranks (its arrival
         and its seat on the board: no store request), then ``relay.forward``
-        (the node's seats, one ``compare_set`` each, pipelined on the
+        (the node's seats, one ``compare_set`` per seat key, pipelined on the
         forward connection, then one ``add`` for the node's batch; the
         batch that completes the count also sets ``ready``). If the forward named one of
         the node's ranks the leader, that rank's ``await_outcome`` runs at

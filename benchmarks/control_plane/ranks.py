@@ -65,6 +65,12 @@ class SimRank:
     def ops(self) -> int:
         return self.trigger.ops + self.main.ops
 
+    def after_barrier_zero(self) -> None:
+        """What the rank learnt taking its seat at the job's barrier 0, which the simulation does
+        not run: the call's seats per key (control/seat_table.py). Setup: counted in no restart."""
+        self.main.seat_table.per_key  # noqa: B018  # asked once, then known
+        self.last_ops, self.last = self.ops, self.tally()
+
     def tally(self) -> tuple[int, int, int]:
         return wire_totals((self.trigger, self.main), (self.t_tally, self.m_tally))
 

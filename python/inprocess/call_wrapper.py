@@ -508,7 +508,7 @@ class CallWrapper:
                 join_keys.name_running_incarnation()  # a joiner of another incarnation is told so
             else:
                 joined = joining.admit(join_keys, self.state.iteration + 1, previous, self._job_config,
-                                       seat_key=p.seat_key, publish_keys=p.publish_many_local_keys)
+                                       seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
                 if joined:
                     previous = previous.with_joined(joined)
                     self._assignment.forget_topology()  # the joiners' keys replace their seats' old ones

@@ -28,6 +28,7 @@ from ..exception import InternalError
 from . import seats
 from .leadership import RestartStore, mark_lost
 from .records import FaultRecord
+from .seat_table import SeatTable
 from .store_ops import CountingStore
 
 # Attempts to claim a seat that others keep moving (each move is a real arrival or claim: few).
@@ -38,8 +39,8 @@ class CountingOutStore(RestartStore, Protocol):
     """What counting out needs of :class:`inprocess.control.protocol.RestartProtocol`."""
 
     counted: CountingStore
+    seat_table: SeatTable
 
-    def seat_key(self, initial_rank: int) -> str: ...
     def read_seat(self, initial_rank: int) -> Optional[str]: ...
     def record_fault(self, record: FaultRecord) -> None: ...
     def request_restart(self, iteration: int) -> bool: ...
@@ -104,7 +105,7 @@ def _claim_seat(p: CountingOutStore, initial_rank: int, seat: str, barrier: int,
     """Move the seat from ``seat`` to "t<barrier>:<who>" (in the same life); False when the
     rank (or another declarer) moved it meanwhile."""
     claim = seats.counted_out(barrier, who, life)
-    return p.counted.compare_set(p.seat_key(initial_rank), seat, claim).decode() == claim
+    return p.seat_table.compare_set(initial_rank, seat, claim) == claim
 
 
 def _count_out_at(

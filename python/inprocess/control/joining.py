@@ -68,14 +68,14 @@ once, and while the seat is held reads the seat and the record every heartbeat
 interval. A peer's monitor that sees a seat's counter stand still reads the
 lines and one key per joiner of that seat.
 
-**Cost.** A joiner makes eight store calls (its seat's read, its record, its
-announcement and counter, ``running`` twice, one blocking wait, the read of
-its decision). Linked to its node's agent, instead of the wait and the
+**Cost.** A joiner makes nine store calls (the call's seats per key and its
+seat's read, its record, its announcement and counter, ``running`` twice, one
+blocking wait, the read of its decision). Linked to its node's agent, instead of the wait and the
 decision's read: one read of its record per decision or event its node's
 board shows while it waits, one every 10 s besides (``engine/join.py``).
 The leader of a barrier with K joiners to look at makes a
 constant number of round trips, not K: the lines and the mark (2 calls), one
-``check`` and one ``multi_get`` of every record and every seat asked for,
+``check`` and one ``multi_get`` of every record and the key of every seat asked for,
 the K outcomes' compare_sets pipelined (one round trip, over a connection of
 its own to the store server opened for them: 1 call), the ``told`` values
 (one ``multi_set``) and the resolved counter, the admitted seats'
@@ -105,6 +105,7 @@ from . import seats
 from .incarnation import call_prefix
 from .membership import TERMINATED, Membership
 from .records import HOST, MAX_MESSAGE, loads_strict
+from .seat_table import SeatTable
 
 log = logging.getLogger("inprocess")
 
@@ -520,11 +521,11 @@ class Pipe:
 
 def admit(
     keys: JoinKeys, barrier: int, previous: Membership, job_config: dict[str, str], *,
-    seat_key: Any, publish_keys: Any,
+    seat_table: SeatTable, publish_keys: Any,
 ) -> list[tuple[int, int]]:
     """The leader of ``barrier``: admit the pending joiners whose seats are free.
 
-    ``seat_key(r)`` names the seat of initial rank r; ``publish_keys([(r, keys), ...])``
+    ``seat_table`` holds the job's seats; ``publish_keys([(r, keys), ...])``
     publishes the admitted joiners' topology keys for their seats, all at once. Returns the admitted
     ``(seat, life)`` pairs in seat order, for the decision.
     """
@@ -534,9 +535,9 @@ def admit(
     n = previous.initial_world_size
     free = {r for r in range(n) if previous.mode[r] == TERMINATED}
     asked = sorted({a.seat for _, a in pending if a.seat in free})
-    # One read of every record and of every free seat asked for.
-    values = keys.read_records([keys.joiner_key(a.token) for _, a in pending] + [seat_key(s) for s in asked])
-    seat_values = dict(zip(asked, values[len(pending):], strict=True))
+    # One read of every record and of the keys of every free seat asked for.
+    values = keys.read_records([keys.joiner_key(a.token) for _, a in pending] + seat_table.keys_of(asked))
+    seat_values = seat_table.learn(asked, values[len(pending):])
     outcomes: list[Optional[Outcome]] = []
     for (index, a), value in zip(pending, values[:len(pending)], strict=True):
         if value is None:  # every joiner writes its record before its line
@@ -579,7 +580,7 @@ def admit(
             # else resolved for good: refused here, or withdrawn before this leader's write
         # Admitted by a leader lost before its decision, perhaps before it told them.
         keys.tell(earlier)
-        _move_seats(keys, pipe, barrier, {seat: life for seat, (life, _, _) in admitted.items()}, seat_key,
+        _move_seats(pipe, barrier, {seat: life for seat, (life, _, _) in admitted.items()}, seat_table,
                     seat_values)
     publish_keys([(seat, a.keys) for seat, (_, _, a) in sorted(admitted.items()) if a.keys is not None])
     # Until this barrier's decision is out, a leader that takes the lead over must see the admitted lines.
@@ -590,8 +591,7 @@ def admit(
 
 
 def _move_seats(
-    keys: JoinKeys, pipe: Pipe, barrier: int, lives: dict[int, int], seat_key: Any,
-    seat_values: dict[int, Optional[str]],
+    pipe: Pipe, barrier: int, lives: dict[int, int], seat_table: SeatTable, seat_values: dict[int, Optional[str]],
 ) -> None:
     """The seats of the admitted joiners: each from its predecessor's "counted out" to ``b@life``.
 
@@ -601,22 +601,21 @@ def _move_seats(
     that lost the lead and runs late must not move back a seat whose
     joiner took it at the next barrier; its compare_set fails instead.
     """
-    moves: list[tuple[str, str, str]] = []
+    moves: list[tuple[int, str, str]] = []
+    unread = [seat for seat in lives if seat not in seat_values]
+    if unread:
+        seat_values = {**seat_values, **seat_table.read_many(unread)}
     for seat, life in sorted(lives.items()):
-        key, desired = seat_key(seat), seats.healthy(barrier, life)
-        current = seat_values[seat] if seat in seat_values else _peek(keys, key)
+        desired = seats.healthy(barrier, life)
+        current = seat_values[seat]
         if current == desired:
             continue  # moved by a leader of this barrier lost before its decision
         parsed = seats.parse(current) if current else None
         if parsed is not None and (not parsed.counted_out or parsed.life != life - 1):
-            raise InternalError(f"seat {key} holds {current!r}: not the counted-out seat of life {life - 1} "
-                                f"that a joiner of life {life} replaces")
-        moves.append((key, current or "", desired))
-    for (key, _, desired), value in zip(moves, pipe.compare_set_many(moves), strict=True):
-        if value.decode() != desired:
-            raise InternalError(f"seat {key} moved to {value.decode()!r} while a joiner was admitted into it")
-
-
-def _peek(keys: JoinKeys, key: str) -> Optional[str]:
-    raw = keys.counted.peek(key)
-    return None if raw is None else raw.decode()
+            raise InternalError(f"seat of rank {seat} holds {current!r}: not the counted-out seat of life "
+                                f"{life - 1} that a joiner of life {life} replaces")
+        moves.append((seat, current or "", desired))
+    for (seat, _, desired), value in zip(moves, seat_table.compare_set_many(moves, pipe.compare_set_many),
+                                         strict=True):
+        if value != desired:
+            raise InternalError(f"seat of rank {seat} moved to {value!r} while a joiner was admitted into it")

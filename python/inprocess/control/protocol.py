@@ -25,9 +25,12 @@ incarnation, :mod:`inprocess.control.incarnation`):
 ``<i>/lead.<t>``       who leads term t: :mod:`inprocess.control.leadership`
 ``<i>/left``           counter of ranks that left after completion
 ``<i>/given_up``       counter of arrivals that stopped waiting for barrier i
-``seat/<r>``           the last barrier initial rank r was counted at: "b"
-                       (counted itself, healthy) or "tb:<who>" (counted out at
-                       b, for good, by <who>); moved by compare_set only
+``seat/<g>``           the seats of initial ranks Kg..Kg+K-1, K agreed in
+``seat/per_key``       (:mod:`inprocess.control.seat_table`; K = 1 without
+                       node agents); rank r's seat: the last barrier it was
+                       counted at, "b" (counted itself, healthy) or
+                       "tb:<who>" (counted out at b, for good, by <who>);
+                       moved by compare_set only
 ``monitors/<r>``       heartbeat counter of rank r's monitor process
 ``topology``           per-rank keys for topology-aware assignments
 ``done``               set when the last rank left; the store host waits for it
@@ -58,7 +61,7 @@ decision, which another healthy rank takes over
 With node agents (:mod:`inprocess.processes.node_agent`), a rank's event and barrier
 outcome come from its node's board instead: the agent waits for the event
 and the decision once for the node, takes the seats of the node's healthy
-arrivals with the same compare_sets pipelined in one batch, and forwards
+arrivals with the same moves in one batch (one compare_set per seat key), and forwards
 those whose seat it took in one ``add``. A seat found counted out ("t...")
 is refused on the board: that rank looks at its seat itself and leaves
 (:class:`SeatTaken`), so counting stays exactly-once against monitors, which
@@ -88,6 +91,7 @@ from .joining import JoinKeys
 from .leadership import Terms, decide_barrier, parse_lost_mark
 from .node_link import BOARD_TIMEOUT, OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
+from .seat_table import SeatTable
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
 
 __all__ = [
@@ -114,6 +118,10 @@ def done_key(call: int, incarnation: str = "") -> str:
 def monitor_heartbeat_key(call: int, rank: int, incarnation: str = "") -> str:
     """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
     return f"{call_prefix(call, incarnation)}monitors/{rank}"
+
+
+# Seats read at once while naming the ranks a barrier misses.
+_SEATS_PER_DESCRIBE_READ = 1024
 
 
 def _waits_for(seat: Optional[str], barrier: int) -> bool:
@@ -149,11 +157,15 @@ class RestartProtocol:
     ``incarnation`` is the launcher's incarnation of the job
     (:func:`inprocess.control.incarnation.job_incarnation`): a restarted
     incarnation meets a store its predecessor wrote to, under another prefix.
+
+    ``seats_per_key``: what this process proposes for the call's seats per key,
+    if it is the first to touch a seat (:mod:`inprocess.control.seat_table`;
+    None: 1): a node's ranks where node agents take the seats.
     """
 
     def __init__(
         self, store: Any, call: int = 0, link: Optional[NodeBoardLink] = None, *,
-        initial_world_size: Optional[int] = None, incarnation: str = "",
+        initial_world_size: Optional[int] = None, incarnation: str = "", seats_per_key: Optional[int] = None,
     ):
         self.counted = CountingStore(store)
         self.call = call
@@ -165,6 +177,7 @@ class RestartProtocol:
         # Given the prefix, not self.key: no reference cycle, so that the connection
         # closes as soon as the protocol is dropped (tests count descriptors).
         self.terms = Terms(self.counted, self.prefix)
+        self.seat_table = SeatTable(self.counted, self.prefix, seats_per_key)
         # The life of the seat this process holds (control/seats.py): 0 but for a process that joined.
         self.life = 0
         # While a decide function runs here: the term it decides (0: the barrier's first leader,
@@ -195,7 +208,8 @@ class RestartProtocol:
         return f"{self.prefix}{name}"
 
     def seat_key(self, initial_rank: int) -> str:
-        return f"{self.prefix}seat/{initial_rank}"
+        """The key that holds the rank's seat, and the others of its key (:mod:`inprocess.control.seat_table`)."""
+        return self.seat_table.key_of(initial_rank)
 
     # -- faults and the event -----------------------------------------------
 
@@ -288,7 +302,7 @@ class RestartProtocol:
         rank's healthy arrival already (its node agent took it).
         """
         previous, desired = self._seat_move(iteration, self.life, terminated)
-        value = self.counted.compare_set(self.seat_key(initial_rank), previous, desired).decode()
+        value = self.seat_table.compare_set(initial_rank, previous, desired)
         return self._seat_moved(iteration, initial_rank, previous, desired, value)
 
     @staticmethod
@@ -307,8 +321,7 @@ class RestartProtocol:
             # Counted out; or counted out and a process joined into the seat since (a later life).
             if seat.counted_out or seat.life > seats.parse(desired).life:
                 return False
-        # compare_set answers a missing key with the expected value itself.
-        held = "nothing" if value == previous else repr(value)
+        held = "nothing" if not value else repr(value)
         hint = ""
         if iteration == 0 and value:
             hint = (": a process of this job held the seat already; a process that joins a running job is started "
@@ -318,23 +331,22 @@ class RestartProtocol:
 
     def take_seats(self, iteration: int, claims: list[tuple[int, int]]) -> list[bool]:
         """A node agent takes the seats of its ranks' healthy arrivals at barrier ``iteration``:
-        ``claims`` holds (initial rank, life) per arrival; the same compare_sets as
-        :meth:`take_seat`, pipelined when the store is a TCPStore client that can
-        (:meth:`~inprocess.control.tcpstore_client.TCPStoreClient.compare_set_many`).
+        ``claims`` holds (initial rank, life) per arrival; the same moves as
+        :meth:`take_seat`, one compare_set per seat key, pipelined when the store is a TCPStore
+        client that can (:meth:`~inprocess.control.tcpstore_client.TCPStoreClient.compare_set_many`).
 
         Per claim, True when the seat is taken, False when it is not where the
         rank left it (counted out by someone else, or anything unexpected): the
         rank then looks at its seat itself, and raises what :meth:`take_seat` raises.
         """
-        moves = [(self.seat_key(rank), *self._seat_move(iteration, life)) for rank, life in claims]
+        moves = [(rank, *self._seat_move(iteration, life)) for rank, life in claims]
         pipe = self.store if hasattr(self.store, "compare_set_many") else None
-        values = self.counted.compare_set_many(moves, pipe)
-        return [bytes(v).decode() == desired for (_, _, desired), v in zip(moves, values, strict=True)]
+        values = self.seat_table.compare_set_many(moves, lambda items: self.counted.compare_set_many(items, pipe))
+        return [value == desired for (_, _, desired), value in zip(moves, values, strict=True)]
 
     def read_seat(self, initial_rank: int) -> Optional[str]:
         """The seat's value, or None if the rank never arrived anywhere."""
-        value = self.counted.peek(self.seat_key(initial_rank))
-        return None if value is None else value.decode()
+        return self.seat_table.read(initial_rank)
 
     def count_out(
         self,
@@ -526,7 +538,7 @@ class RestartProtocol:
 
     def describe_arrivals(self, iteration: int, expected: int, *, limit: int = 8) -> str:
         """"barrier i: 3 of 4 ranks arrived; missing initial rank 3": who a barrier
-        still waits for. Reads the seats (one request each) only until ``limit``
+        still waits for. Reads the seats (per 1,024 ranks) only until ``limit``
         missing ranks are named: for the error of a barrier that timed out."""
         try:
             arrived = sum(self.count(iteration))
@@ -537,12 +549,14 @@ class RestartProtocol:
             return text
         # A member not arrived yet holds the seat of the barrier before (none before barrier 0).
         missing: list[int] = []
+        wanted = min(limit, expected - arrived)
         try:
-            for rank in range(self.initial_world_size):
-                if len(missing) == min(limit, expected - arrived):
+            for start in range(0, self.initial_world_size, _SEATS_PER_DESCRIBE_READ):
+                held = self.seat_table.read_many(range(start, min(start + _SEATS_PER_DESCRIBE_READ,
+                                                                  self.initial_world_size)))
+                missing += [rank for rank, seat in held.items() if _waits_for(seat, iteration)][:wanted - len(missing)]
+                if len(missing) == wanted:
                     break
-                if _waits_for(self.read_seat(rank), iteration):
-                    missing.append(rank)
         except Exception:
             pass  # name the ones found so far
         if missing:

@@ -1,6 +1,6 @@
 """What a seat holds: the last barrier its rank was counted at, by whom, in which life.
 
-A seat (``seat/<initial rank>``, :mod:`inprocess.control.protocol`) counts one
+A seat (one of the slots of ``seat/<g>``, :mod:`inprocess.control.seat_table`) counts one
 process exactly once per barrier. A seat outlives its process: once the
 process is counted out, a process that joins the running job
 (:mod:`inprocess.control.joining`) may be admitted into the same seat. Each

@@ -37,6 +37,7 @@ from ..control.host_names import numeric_host_names
 from ..control.incarnation import job_incarnation
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
+from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
 from ..processes import store_host
 from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig, rank_log_format
@@ -94,6 +95,7 @@ class RankRuntime:
         # The function's own rendezvous: a fresh client per iteration (open_iteration_store).
         self._user_client: Optional[dist.Store] = None
         self._user_sockets: dict[int, str] = {}
+        self._seats_per_key: Optional[int] = None  # proposed for the call's seats (control/seat_table.py)
         self._node_agent: Optional[HelperProcess] = None
         self._store_sockets: dict[int, str] = {}
 
@@ -158,10 +160,10 @@ class RankRuntime:
 
         world = self._state.initial_world_size
         self.protocol = RestartProtocol(self.store, self.call_index, self.node_link, initial_world_size=world,
-                                        incarnation=self.incarnation)
+                                        incarnation=self.incarnation, seats_per_key=self._seats_per_key)
         self.trigger_protocol = trigger_protocol = RestartProtocol(
             store_mod.clone(self.store, self._w.store_factory, self._w.store_kwargs), self.call_index, self.node_link,
-            initial_world_size=world, incarnation=self.incarnation,
+            initial_world_size=world, incarnation=self.incarnation, seats_per_key=self._seats_per_key,
         )
         self.trigger = RestartTrigger(
             trigger_protocol,
@@ -220,6 +222,9 @@ class RankRuntime:
             )
         if not wanted:
             return None
+        if layout is not None:
+            # The node agents' seats per key (control/seat_table.py), whether or not this rank reaches its agent.
+            self._seats_per_key = min(layout.local_world_size, MAX_PER_KEY)
         if layout is None:
             raise ValueError("Wrapper(node_agent=True): no node layout: set LOCAL_RANK, LOCAL_WORLD_SIZE "
                              "and GROUP_RANK (torchrun does), or launch with srun")

@@ -10,7 +10,7 @@ store requests and the same board effects.
 
 The C++ code defines no key name and no seat value: :func:`relay_layout`
 computes them as templates by calling the protocol's own functions
-(:meth:`RestartProtocol.key`, :meth:`RestartProtocol.seat_key`,
+(:meth:`RestartProtocol.key`, :meth:`SeatTable.key <inprocess.control.seat_table.SeatTable.key>`,
 :meth:`RestartProtocol._seat_move`, :meth:`Terms.outcome_key`,
 :meth:`RestartProtocol._set_ready`) with marker numbers, and checks, each time
 it builds them, that the native expansion of every template gives what the
@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from .. import _native
-from ..control import store_ops
+from ..control import seat_table, store_ops
 from ..control.leadership import LOST_MARK, parse_lost_mark
 from ..control.protocol import COMPLETE, RESTART, TERMINATED_UNIT, RestartProtocol
 from ..control.records import Decision
@@ -64,8 +64,9 @@ _CHECK_LIVES = (0, 1, 7)
 _CHECK_TERMS = (0, 1, 2, 11)
 
 
-# Layouts built and checked in this process, per key prefix: a simulator runs thousands of relays.
-_CHECKED: dict[str, Any] = {}
+# Layouts built and checked in this process, per key prefix and seats per key: a simulator runs
+# thousands of relays.
+_CHECKED: dict[tuple[str, int], Any] = {}
 
 
 class _Recorder:
@@ -86,9 +87,10 @@ def _template(text: str) -> str:
     return text
 
 
-def relay_layout(p: RestartProtocol) -> dict[str, Any]:
+def relay_layout(p: RestartProtocol, seats_per_key: int = 1) -> dict[str, Any]:
     """The templates of what the relay sends for protocol ``p``'s call (see the module's doc),
-    for :class:`inprocess._native.RelayLayout`."""
+    for :class:`inprocess._native.RelayLayout`; ``seats_per_key``: the call's
+    (:attr:`SeatTable.per_key <inprocess.control.seat_table.SeatTable.per_key>`)."""
     recorder = _Recorder()
     RestartProtocol(recorder, p.call, incarnation=p.incarnation)._set_ready(_BARRIER)
     [(ready_key, ready_value)] = recorder.sets
@@ -107,7 +109,9 @@ def relay_layout(p: RestartProtocol) -> dict[str, Any]:
         "event": _template(p.key(_BARRIER, "event")),
         "restart": RESTART,
         "complete": COMPLETE,
-        "seat": _template(p.seat_key(_RANK)),
+        "seat": _template(p.seat_table.key(_RANK)),  # {r}: the key's index
+        "seats_per_key": seat_table.check_per_key(seats_per_key, "seats per key"),
+        "seat_separator": seat_table.SEPARATOR,
         "seat_expected": [[m[0] for m in row] for row in moves],
         "seat_desired": [[m[1] for m in row] for row in moves],
         "outcome_first": _template(p.terms.outcome_key(_BARRIER, 0)),
@@ -138,8 +142,8 @@ def check_layout(relay: Any, p: RestartProtocol) -> None:
             same(f"seat move({b}, life {life})", relay.expand("seat_desired", b, life=life), desired)
         for t in _CHECK_TERMS:
             same(f"outcome({b}, {t})", relay.expand("outcome", b, term=t), p.terms.outcome_key(b, t))
-    for r in (0, 1, 16383):
-        same(f"seat({r})", relay.expand("seat", 0, rank=r), p.seat_key(r))
+    for index in (0, 1, 2047):
+        same(f"seat key({index})", relay.expand("seat", 0, rank=index), p.seat_table.key(index))
     if wrong:
         more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         raise InternalError("the native relay's templates diverge from the protocol: " + "; ".join(wrong[:3]) + more)
@@ -161,14 +165,17 @@ class NativeNodeRelay:
         self._forwarder: Optional[tuple[str, Any]] = None  # (the protocol's prefix, native relay)
         self._broadcaster: Optional[tuple[str, Any]] = None
 
-    def _native_for(self, p: RestartProtocol, which: Optional[tuple[str, Any]]) -> Any:
+    def _native_for(self, p: RestartProtocol, which: Optional[tuple[str, Any]], *, seats: bool) -> Any:
+        """The native relay of ``p``'s call; ``seats``: one that moves seats (it asks the
+        call's seats per key, once per protocol: the broadcast steps move none)."""
         if which is not None and which[0] == p.prefix:
             return which[1]
-        layout = _CHECKED.get(p.prefix)
+        per_key = p.seat_table.per_key if seats else 1
+        layout = _CHECKED.get((p.prefix, per_key))
         if layout is None:
-            layout = _native.RelayLayout(relay_layout(p))
+            layout = _native.RelayLayout(relay_layout(p, per_key))
             check_layout(_native.NodeRelay(self.board, layout), p)
-            _CHECKED[p.prefix] = layout
+            _CHECKED[(p.prefix, per_key)] = layout
         return _native.NodeRelay(self.board, layout)
 
     @property
@@ -190,7 +197,7 @@ class NativeNodeRelay:
             if self._forwarder is not None:
                 self._forwarder[1].forwarded = self.python.forwarded
             return n
-        relay = self._native_for(p, self._forwarder)
+        relay = self._native_for(p, self._forwarder, seats=True)
         if self._forwarder is None or self._forwarder[1] is not relay:
             relay.forwarded = self.forwarded
             self._forwarder = (p.prefix, relay)
@@ -218,7 +225,7 @@ class NativeNodeRelay:
         return value != COMPLETE
 
     def _broadcast_relay(self, p: RestartProtocol) -> Any:
-        relay = self._native_for(p, self._broadcaster)
+        relay = self._native_for(p, self._broadcaster, seats=False)
         self._broadcaster = (p.prefix, relay)
         return relay
 

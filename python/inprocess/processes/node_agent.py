@@ -17,9 +17,12 @@ per node carries the traffic:
   lowest slot the leader when the batch holds the barrier's first healthy
   arrivals, and sets ``ready`` when its ``add`` completes the count.
 
-A rank still takes its own seat in the store (exactly-once counting against
-its monitor and its peers' monitors, which arrive directly) before it posts
-its arrival; terminated arrivals never go through the agent.
+Before its ``add`` the forward thread takes the batch's seats (exactly-once
+counting against the ranks' monitors, which arrive directly): one
+``compare_set`` of the node's seat key (:mod:`inprocess.control.seat_table`;
+the agent proposes its node's ranks as the call's seats per key). A seat found
+taken is refused on the board, and its rank looks at it itself; terminated
+arrivals never go through the agent.
 
 The board is a memfd. The agent hands it to the ranks over an abstract Unix
 socket (no file in the filesystem, nothing left behind) named after the store
@@ -50,6 +53,7 @@ from .. import _native
 from ..control.node_link import HELLO, socket_name
 from ..control.protocol import COMPLETE, RestartProtocol
 from ..control.records import Decision
+from ..control.seat_table import MAX_PER_KEY
 from .contract import EXIT_OK, NodeAgentConfig, StopRequest, run_helper
 
 log = logging.getLogger("inprocess.processes.node_agent")
@@ -154,7 +158,8 @@ class NodeAgent:
         # A StoreConnection speaks TCPStoreClient's wire, and the native relay runs over it.
         client = _native.StoreConnection(self.args.store_host, self.args.store_port, timeout=self.args.store_timeout_s,
                                          connect_timeout=self.args.store_timeout_s, retry_refused=False)
-        return RestartProtocol(client, self.args.call, incarnation=self.args.incarnation)
+        return RestartProtocol(client, self.args.call, incarnation=self.args.incarnation,
+                               seats_per_key=min(self.args.slots, MAX_PER_KEY))
 
     def _forward_loop(self) -> None:
         p = self._protocol()
