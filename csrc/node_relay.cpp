@@ -1,6 +1,5 @@
 #include "node_relay.hpp"
 
-#include <algorithm>
 #include <map>
 #include <set>
 #include <utility>
@@ -158,9 +157,7 @@ std::string NodeRelay::encode_seats(const std::vector<std::string>& seats) const
 }
 
 std::vector<std::string> NodeRelay::move_seats(StoreConnection& store, const std::vector<SeatMove>& moves) {
-  // Rewrites of one key per forward, as seat_table._ATTEMPTS_MIN and _ATTEMPTS_PER_SEAT: each needs
-  // another seat of the key to move in between, and a seat moves a few times per barrier.
-  const int64_t attempts = std::max<int64_t>(64, 4 * layout_.seats_per_key);
+  const int64_t attempts = layout_.seat_attempts;
   std::vector<std::string> answers(moves.size());
   std::map<int64_t, std::vector<size_t>> pending;  // key index -> its moves not answered yet
   for (size_t n = 0; n < moves.size(); ++n) pending[moves[n].index].push_back(n);

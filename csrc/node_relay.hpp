@@ -55,9 +55,10 @@ struct RelayLayout {
   KeyTemplate event;             // RestartProtocol.key(i, "event")
   std::string restart;           // the event's values
   std::string complete;
-  // The key of seats 8g..8g+7 (control/seat_table.py: SeatTable.key(g)), hole {r} = g.
+  // The key of seats Kg..Kg+K-1 (control/seat_table.py: SeatTable.key(g)), hole {r} = g.
   KeyTemplate seat;
-  int64_t seats_per_key = 8;     // seat_table.SEATS_PER_KEY
+  int64_t seats_per_key = 1;     // K: the call's (SeatTable.per_key)
+  int64_t seat_attempts = 64;    // writes of one key before giving up (seat_table.attempts(K))
   std::string seat_separator;    // seat_table.SEPARATOR, between a key's seat values
   // A seat's move (RestartProtocol._seat_move): [first barrier][life 0].
   KeyTemplate seat_expected[2][2];

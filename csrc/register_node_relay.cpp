@@ -206,6 +206,8 @@ void register_node_relay(py::module_& m) {
              l.seat = tmpl("seat");
              l.seats_per_key = layout["seats_per_key"].cast<int64_t>();
              if (l.seats_per_key < 1) throw py::value_error("seats_per_key must be >= 1");
+             l.seat_attempts = layout["seat_attempts"].cast<int64_t>();
+             if (l.seat_attempts < 1) throw py::value_error("seat_attempts must be >= 1");
              l.seat_separator = text("seat_separator");
              if (l.seat_separator.empty()) throw py::value_error("seat_separator must not be empty");
              const auto expected = layout["seat_expected"].cast<std::vector<std::vector<std::string>>>();

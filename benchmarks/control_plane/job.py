@@ -3,7 +3,7 @@
 One restart, as the wrapper does it (``inprocess/engine/trigger.py``, the
 call wrapper, ``inprocess/processes/monitor.py`` and ``node_agent.py``):
 
-0. setup, not measured: every rank's seat (in ``inprocess/<call>/seat/g<r // 8>``) is
+0. setup, not measured: every rank's seat (in ``inprocess/<call>/seat/<r // K>``) is
    written "0" with ``multi_set`` and barrier 0's decision is out, as the
    job's initial barrier leaves them, and every monitor's heartbeat counter
    exists; the simulated restarts then go through barriers 1, 2, ...;

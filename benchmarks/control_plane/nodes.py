@@ -83,13 +83,13 @@ class SimNode:
                                             seats_per_key=board.slots)
         self.last_ops = 0
         self.last = (0, 0, 0)
+        self._digest = (-1, "")
 
     def after_barrier_zero(self) -> None:
         """What the node's agent learnt at the job's barrier 0, which the simulation does not run:
         the call's seats per key (control/seat_table.py). Setup: not counted in any restart."""
         self.arrivals.seat_table.per_key  # noqa: B018  # asked once, then known
         self.last_ops, self.last = self.ops, self.tally()
-        self._digest = (-1, "")
 
     def board_digest(self, barrier: int) -> str:
         """Digest of barrier ``barrier``'s decision as the board holds it ("" when it holds none: an

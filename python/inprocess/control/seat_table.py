@@ -47,6 +47,11 @@ MAX_PER_KEY = 256
 # admission); more means something rewrites it in a loop.
 _ATTEMPTS_PER_SEAT = 4
 _ATTEMPTS_MIN = 64
+
+
+def attempts(per_key: int) -> int:
+    """How many writes of one key a call makes at most before it gives up (InternalError)."""
+    return max(_ATTEMPTS_MIN, _ATTEMPTS_PER_SEAT * per_key)
 # Keys per check + multi_get of a read of many seats.
 _KEYS_PER_READ = 1024
 
@@ -187,8 +192,8 @@ class SeatTable:
         for n, (rank, _, _) in enumerate(moves):
             pending.setdefault(rank // per_key, []).append(n)
         answered: set[int] = set()  # keys whose value the store answered in this call
-        attempts = max(_ATTEMPTS_MIN, _ATTEMPTS_PER_SEAT * per_key)
-        for _ in range(attempts):
+        bound = attempts(per_key)
+        for _ in range(bound):
             writes: list[tuple[int, str, str, list[int]]] = []  # (key index, expected, desired, moves made)
             for index, which in pending.items():
                 slots = decode(self.key(index), self._known.get(index, ""), per_key)
@@ -225,7 +230,7 @@ class SeatTable:
                 answered.add(index)
                 pending[index] = made
         raise InternalError(f"seat keys {sorted(self.key(i) for i in pending)} kept changing while their seats "
-                            f"were moved ({attempts} writes)")
+                            f"were moved ({bound} writes)")
 
     def write(self, values: dict[int, str]) -> None:
         """Set seats whatever they hold (a test's or a benchmark's start), keeping the others of their keys."""

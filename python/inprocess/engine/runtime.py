@@ -222,12 +222,11 @@ class RankRuntime:
             )
         if not wanted:
             return None
-        if layout is not None:
-            # The node agents' seats per key (control/seat_table.py), whether or not this rank reaches its agent.
-            self._seats_per_key = min(layout.local_world_size, MAX_PER_KEY)
         if layout is None:
             raise ValueError("Wrapper(node_agent=True): no node layout: set LOCAL_RANK, LOCAL_WORLD_SIZE "
                              "and GROUP_RANK (torchrun does), or launch with srun")
+        # The node agents' seats per key (control/seat_table.py), whether or not this rank reaches its agent.
+        self._seats_per_key = min(layout.local_world_size, MAX_PER_KEY)
         if not isinstance(store, dist.TCPStore):
             raise ValueError(f"Wrapper(node_agent=True): the node agent speaks TCPStore only, the store is "
                              f"{type(store).__name__}")

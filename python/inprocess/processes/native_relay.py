@@ -111,6 +111,7 @@ def relay_layout(p: RestartProtocol, seats_per_key: int = 1) -> dict[str, Any]:
         "complete": COMPLETE,
         "seat": _template(p.seat_table.key(_RANK)),  # {r}: the key's index
         "seats_per_key": seat_table.check_per_key(seats_per_key, "seats per key"),
+        "seat_attempts": seat_table.attempts(seats_per_key),
         "seat_separator": seat_table.SEPARATOR,
         "seat_expected": [[m[0] for m in row] for row in moves],
         "seat_desired": [[m[1] for m in row] for row in moves],
