@@ -47,7 +47,7 @@ from inprocess.control.tcpstore_client import TCPStoreClient
 from inprocess.control.tcpstore_wire import CHECK, encode_key_list
 from inprocess.launch import free_port
 from inprocess.processes.native_relay import NativeNodeRelay
-from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
+from inprocess.processes.node_relay import DECISION_CAPACITY, NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
 SLOTS = 8

@@ -338,7 +338,7 @@ def one_restart_on_nodes(
     """
     from inprocess import _native
     from inprocess.control.node_link import NodeLink
-    from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
+    from inprocess.processes.node_relay import DECISION_CAPACITY, NodeRelay
 
     store = MemoryStore()
     # As barrier 0 left them: every rank counted in, a seat key per node (the agents' proposal).

@@ -32,7 +32,7 @@ from inprocess.control.protocol import Decision, RestartProtocol, SeatTaken
 from inprocess.control.store_ops import CountingStore
 from inprocess.engine import join, runtime
 from inprocess.launch import LocalJob
-from inprocess.processes.node_agent import NodeRelay
+from inprocess.processes.node_relay import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 from inprocess.state import State
 from test_join_liveness import WRAPPER, announcement_of, finish, job_env, join_job, read_logs, until

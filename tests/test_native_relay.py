@@ -26,7 +26,7 @@ from inprocess.control.tcpstore_client import StoreConnectionError, StoreTimeout
 from inprocess.exception import BarrierOverflow, InternalError
 from inprocess.exception import TimeoutError as RestartTimeout
 from inprocess.processes.native_relay import NativeNodeRelay, check_layout, relay_layout
-from inprocess.processes.node_agent import DECISION_CAPACITY, NodeRelay
+from inprocess.processes.node_relay import DECISION_CAPACITY, NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, Compose, ShiftRanks, decide
 
 HOST = "127.0.0.1"

@@ -23,7 +23,7 @@ from inprocess.control.membership import ACTIVE, Membership
 from inprocess.control.node_link import OUTCOME_REFUSED, NodeLayout, NodeLink, socket_name
 from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol, SeatTaken
 from inprocess.control.tcpstore_client import TCPStoreClient
-from inprocess.processes.node_agent import NodeRelay
+from inprocess.processes.node_relay import NodeRelay
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 NODES = {"ranks_per_node": 3, "world_size": 6}

@@ -1,4 +1,4 @@
-"""The phase table (inprocess.engine.phases) and what entering each phase does to the heartbeat page.
+"""The phase table (inprocess.control.phases) and what entering each phase does to the heartbeat page.
 
 ``test_entering_each_phase_sets_the_page_as_before`` was written against the code before the
 table existed (commit 1cbd356, where engine/hang_guard.py kept its own list of restart phases)
@@ -69,7 +69,7 @@ def test_the_leaders_decision_gets_the_hard_timeout_only() -> None:
 
 
 def test_every_native_phase_has_one_row_in_the_order_of_a_call() -> None:
-    from inprocess.engine import phases
+    from inprocess.control import phases
 
     native = list(_native.Phase.__members__.values())
     assert sorted(int(r.phase) for r in phases.TABLE) == sorted(int(p) for p in native)
@@ -82,8 +82,8 @@ def test_every_native_phase_has_one_row_in_the_order_of_a_call() -> None:
 
 def test_the_tables_rules_are_the_lists_each_module_kept_before() -> None:
     """The literals are the lists as they stood in each module at 1cbd356."""
-    from inprocess.engine import phases
-    from inprocess.engine.phases import HangRule, Phase
+    from inprocess.control import phases
+    from inprocess.control.phases import HangRule, Phase
     from inprocess.faults import phases as fault_phases
     from inprocess.processes import monitor
     from inprocess.timeline import model

@@ -1,4 +1,4 @@
-"""The recovery plan (inprocess.engine.recovery_plan): every rank's plan from real decisions.
+"""The recovery plan (inprocess.control.recovery_plan): every rank's plan from real decisions.
 
 The decisions come from the leader's own function (``rank_assignment.decide``) with the built-in
 rank assignments, and go through the decision's JSON form as every rank reads it from the store.
@@ -13,13 +13,17 @@ import pytest
 from inprocess import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.records import Decision
-from inprocess.engine.recovery_plan import (
-    RELEASED_BEFORE_DECISION,
+from inprocess.control.recovery_plan import (
+    RELEASE_SCHEDULE,
     DecisionSummary,
+    Moment,
     RecoveryPlan,
     Resource,
     StateSource,
     Transition,
+    leaves,
+    released_at,
+    seated,
     transition,
 )
 from inprocess.exception import InternalError
@@ -61,11 +65,11 @@ def test_at_the_start_every_rank_activates_with_its_state_from_the_users_code() 
     (d0,) = decisions(DEFAULT, 4)
     for r, p in enumerate(plans(None, d0)):
         assert p.transition is Transition.ACTIVATE
-        assert (p.old_mode, p.new_mode) == (Mode.INITIALIZED, Mode.ACTIVE)
+        assert p.new_mode == Mode.ACTIVE
         assert (p.old_rank, p.new_rank, p.old_active_rank, p.new_active_rank) == (None, r, None, r)
         assert (p.new_world_size, p.new_active_world_size) == (4, 4)
         assert p.state_source is StateSource.USER
-        assert p.release == frozenset() and p.keep == frozenset()  # nothing ran yet
+        assert p.release == frozenset()  # nothing ran yet
         assert p.environment() == {"RANK": str(r), "WORLD_SIZE": "4"}
         assert p.active and not p.leaves and p.iteration == 0
 
@@ -79,8 +83,7 @@ def test_a_shift_ranks_shrink_renumbers_the_survivors_and_the_lost_rank_leaves()
     assert [(x.old_active_rank, x.new_active_rank) for x in p] == [(0, 0), (1, None), (2, 1), (3, 2)]
     for x in p:
         assert (x.new_world_size, x.new_active_world_size) == (3, 3)
-        assert x.release == RELEASED_BEFORE_DECISION == frozenset(Resource)  # today: every restart, all of it
-        assert x.keep == frozenset()
+        assert x.release == frozenset()  # today: every restart releases all of it before its decision
     assert [x.state_source for x in p] == [StateSource.MEMORY, None, StateSource.MEMORY, StateSource.MEMORY]
     assert p[3].environment() == {"RANK": "2", "WORLD_SIZE": "3"}
     assert p[1].leaves and not p[1].active and p[1].new_mode == Mode.TERMINATED
@@ -96,8 +99,7 @@ def test_a_spare_takes_over_and_gets_its_state_from_the_users_code() -> None:
     p = plans(d0.membership, d1)
     assert [x.transition for x in p] == [Transition.STAY_ACTIVE, Transition.LEAVE, Transition.STAY_ACTIVE,
                                          Transition.ACTIVATE]
-    assert (p[3].old_mode, p[3].new_mode, p[3].old_active_rank, p[3].new_active_rank) == (
-        Mode.INACTIVE, Mode.ACTIVE, None, 2)
+    assert (p[3].old_rank, p[3].new_mode, p[3].old_active_rank, p[3].new_active_rank) == (3, Mode.ACTIVE, None, 2)
     assert p[3].state_source is StateSource.USER and p[3].environment() == {"RANK": "2", "WORLD_SIZE": "3"}
     assert p[0].state_source is StateSource.MEMORY
 
@@ -138,17 +140,53 @@ def test_the_jobs_end_makes_every_rank_leave() -> None:
     assert DecisionSummary.of(None, start).left == [0, 1]
 
 
-def test_a_joiner_is_one_more_case() -> None:
+def test_a_joiner_is_one_more_case_for_every_rank_and_for_itself() -> None:
     d0, d1 = decisions(DEFAULT, 4, {1})
-    # Issue 21's joins: a decision will name the seats it fills; as if this one refilled seat 1.
+    # As if this decision refilled seat 1 with a joiner (its second life): the decision names it.
     refilled = Membership(list(d0.membership.mode), list(d0.membership.rank), list(d0.membership.active_rank))
-    d2 = Decision(2, refilled, [], [], 0, 0)
-    p = RecoveryPlan.for_rank(d1.membership, d2, 1, joined={1})
-    assert p.transition is Transition.JOIN and p.old_mode == Mode.TERMINATED
-    assert (p.new_rank, p.new_active_rank, p.state_source) == (1, 1, StateSource.USER)
-    assert DecisionSummary.of(d1.membership, d2, joined={1}).joined == [1]
+    d2 = on_the_wire(Decision(2, refilled, [], [], 0, 0, joined=[(1, 2)]))
+    for previous in (d1.membership, None):  # a peer's plan, then the joiner's own (it knew no membership)
+        p = RecoveryPlan.for_rank(previous, d2, 1)
+        assert p.transition is Transition.JOIN and (p.old_rank, p.old_active_rank) == (None, None)
+        assert (p.new_rank, p.new_active_rank, p.state_source) == (1, 1, StateSource.USER)
+        assert p.release == frozenset()  # nothing of a failed iteration: the joiner ran none; a peer's is not it
+    assert DecisionSummary.of(d1.membership, d2).joined == [1]
+    # The joiner's own summary of the decision that admits it names its seat as every peer's does.
+    mine = DecisionSummary.of(None, d2)
+    assert (mine.joined, mine.started_active, mine.stayed_active + mine.stayed_spare) == ([1], 0, 3)
+    without = on_the_wire(Decision(2, refilled, [], [], 0, 0))
     with pytest.raises(InternalError, match="without a join"):
-        RecoveryPlan.for_rank(d1.membership, d2, 1)  # a seat that left never comes back on its own
+        RecoveryPlan.for_rank(d1.membership, without, 1)  # a seat that left never comes back on its own
+
+
+def test_the_leave_rule_and_the_seating_of_joiners() -> None:
+    d0, d1 = decisions(DEFAULT, 4, {1})
+    assert [leaves(d1, r) for r in range(4)] == [False, True, False, False]
+    ended = on_the_wire(Decision(2, d1.membership, [], [], 0, 0, abort="the rank assignment failed"))
+    assert all(leaves(ended, r) for r in range(4))  # the job ends: every rank leaves
+    assert seated(d1.membership, []) is d1.membership
+    back = seated(d1.membership, [(1, 2)])
+    assert (back.mode[1], back.rank, back.world_size) == (int(Mode.INACTIVE), [0, 1, 2, 3], 4)
+    assert d1.membership.mode[1] == int(Mode.TERMINATED)  # seated() copies
+
+
+def test_the_release_schedule_is_the_plans_instruction() -> None:
+    assert released_at(Moment.BEFORE_DECISION) == frozenset(Resource)  # today: all of it, before the decision
+    assert released_at(Moment.AFTER_DECISION) == frozenset()
+    later = dict(RELEASE_SCHEDULE, **{})
+    later[Resource.PROCESS_GROUPS] = Moment.AFTER_DECISION
+    assert released_at(Moment.BEFORE_DECISION, later) == {Resource.ITERATION_STORE}
+    d0, d1 = decisions(DEFAULT, 4, {1})
+    for r in range(4):  # once the decision is known, every rank releases it, the one that leaves too
+        assert RecoveryPlan.for_rank(d0.membership, d1, r, later).release == {Resource.PROCESS_GROUPS}
+    assert RecoveryPlan.for_rank(None, d0, 0, later).release == frozenset()  # nothing ran before the start
+
+
+def test_a_plans_fields_say_what_the_rank_does() -> None:
+    d0, d1 = decisions(ONE_SPARE, 4, {1})
+    fields = RecoveryPlan.for_rank(d0.membership, d1, 3).fields()
+    assert fields == {"transition": "activate", "rank": [3, 2], "active_rank": [None, 2], "state": "user",
+                      "release": []}
 
 
 def test_transitions_cover_every_pair_of_modes() -> None:

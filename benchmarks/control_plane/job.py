@@ -42,7 +42,7 @@ from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink
 from inprocess.control.protocol import COMPLETE, RestartProtocol, monitor_heartbeat_key
 from inprocess.control.records import Decision, FaultRecord
-from inprocess.processes.node_agent import DECISION_CAPACITY
+from inprocess.processes.node_relay import DECISION_CAPACITY
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 from .config import WATCHED_PEERS

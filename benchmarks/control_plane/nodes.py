@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from inprocess.control.protocol import COMPLETE, RestartProtocol
 from inprocess.processes.native_relay import NativeNodeRelay
-from inprocess.processes.node_agent import NodeRelay
+from inprocess.processes.node_relay import NodeRelay
 
 from .ranks import SimRank, wire_totals
 from .wire import SharedStore, Tally

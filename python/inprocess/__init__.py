@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .compose import Compose
-from .engine.grow import GrowPolicy
+from .engine.config import GrowPolicy
 from .exception import (
     HealthCheckError,
     InternalError,

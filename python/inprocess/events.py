@@ -28,7 +28,7 @@ Kinds and their own fields:
                        HEALTH_CHECK, RESTART_BARRIER; then COMPLETION (the
                        function returned, waiting for the others), DONE or
                        TERMINATED (the phase table,
-                       ``inprocess.engine.phases``, lists them in order)
+                       ``inprocess.control.phases``, lists them in order)
 ``iteration_start``    iteration, mode ("ACTIVE"/"INACTIVE"), job_rank (the
                        rank among active and spares), active_rank,
                        world_size, active_world_size
@@ -42,7 +42,7 @@ Kinds and their own fields:
                        active_world_size, terminated (initial ranks, new at
                        this barrier), leader, n_faults, faults (up to 8:
                        rank, kind, type, message); and the decision's
-                       summary (``engine/recovery_plan.py``): left,
+                       summary (``control/recovery_plan.py``): left,
                        activated, deactivated, joined (initial ranks, up
                        to 32 each) with n_left, n_activated, n_deactivated,
                        n_joined, and stayed_active, stayed_spare,

@@ -10,6 +10,7 @@ that rank's caller gets) is a ``RestartError``, as in NVRx, so a caller's
 from __future__ import annotations
 
 import builtins
+from typing import Iterator, Optional
 
 
 class RestartError(Exception):
@@ -55,3 +56,13 @@ class RankShouldRestart(BaseException):
 
 class RankDiscarded(RestartError):
     """This rank was terminated by the rank assignment and leaves the job."""
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or during (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__

@@ -14,6 +14,8 @@ import enum
 import os
 from typing import Any, Iterable, Optional
 
+from .environment import env_int
+
 
 class Mode(enum.IntEnum):
     """A rank's mode in one iteration."""
@@ -24,22 +26,12 @@ class Mode(enum.IntEnum):
     TERMINATED = 3  # left the job; never comes back
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an int") from None
-
-
 def _rank_from_env() -> int:
-    return _env_int("RANK", 0)
+    return env_int("RANK", 0)
 
 
 def _world_size_from_env() -> int:
-    return _env_int("WORLD_SIZE", 1)
+    return env_int("WORLD_SIZE", 1)
 
 
 def _unset(value: object) -> bool:

@@ -36,6 +36,7 @@ from .control.incarnation import job_incarnation
 from .control.joining import join_requested
 from .control.tcpstore_client import StoreError, StoreHandshakeClosedError, TCPStoreClient
 from .engine import sockets
+from .environment import env_int
 from .exception import BarrierError as BarrierError  # NVRx's names for a barrier's failures
 from .exception import BarrierOverflow as BarrierOverflow
 from .exception import BarrierTimeout as BarrierTimeout
@@ -65,16 +66,6 @@ class StoreMixin:
     def critical_ranks(self) -> tuple[int, ...]:
         """Initial ranks whose process serves this store: they leave the call last."""
         return ()
-
-
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise ValueError(f"environment variable {name} is not set: launch with torchrun, srun or set it")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
 
 
 class TCPStore(dist.TCPStore, StoreMixin):
@@ -124,10 +115,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
             if host_name is None:
                 raise ValueError("MASTER_ADDR is not set and no host_name was given")
         if port is None:
-            port = _env_int("MASTER_PORT")
+            port = env_int("MASTER_PORT")
         if world_size is None:
-            world_size = _env_int("WORLD_SIZE")
-        rank = _env_int("RANK")
+            world_size = env_int("WORLD_SIZE")
+        rank = env_int("RANK")
         address = _resolve(host_name, port, host_source)  # before anything starts: a bad address fails now, by name
         self.tcp_store_host_rank = self.TCP_STORE_HOST_RANK if tcp_store_host_rank is None else tcp_store_host_rank
         self.uses_agent_store = use_agent_store

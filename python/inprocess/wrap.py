@@ -35,8 +35,7 @@ from . import store as store_mod
 from .abort import AbortTorchDistributed
 from .call_wrapper import CallWrapper, RestartRecord, current_call
 from .compose import Compose
-from .engine.config import Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
-from .engine.grow import GrowPolicy
+from .engine.config import GrowPolicy, Timeouts, check_bool, check_callable, check_factory, check_kwargs, check_path
 from .rank_assignment import ActivateAllRanks, ShiftRanks, check_rank_assignment
 from .state import FrozenState
 

@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional, Protocol
 from ..exception import InternalError
 from . import seats
 from .leadership import RestartStore, mark_lost
-from .records import FaultRecord
+from .records import Decision, FaultRecord
+from .recovery_plan import leaves
 from .seat_table import SeatTable
 from .store_ops import CountingStore
 
@@ -47,6 +48,27 @@ class CountingOutStore(RestartStore, Protocol):
     def leave(self, iteration: int, world_size: int) -> None: ...
     def barrier(self, iteration: int, initial_rank: int, expected: int, *, terminated: bool = ...,
                 timeout: float, seat_taken: bool = ...) -> Any: ...
+    def wait_decision(self, iteration: int, timeout: float) -> Decision: ...
+
+
+def members_at(
+    p: CountingOutStore, initial_rank: int, initial_world_size: Optional[int], timeout: float,
+) -> Callable[[int], Optional[int]]:
+    """``expected_at`` for :func:`count_out`, as the rank itself and its monitor count it: barrier 0
+    counts ``initial_world_size`` ranks (None: not known to the caller, an error there); barrier b
+    the world of barrier b-1's decision, or None when that decision takes the rank out of the job
+    (:func:`inprocess.control.recovery_plan.leaves`)."""
+
+    def expected_at(barrier: int) -> Optional[int]:
+        if barrier == 0:
+            if initial_world_size is None:
+                raise RuntimeError(f"rank {initial_rank} left before the initial barrier, whose size is not known "
+                                   f"here")
+            return initial_world_size
+        decision = p.wait_decision(barrier - 1, timeout)
+        return None if leaves(decision, initial_rank) else decision.membership.world_size
+
+    return expected_at
 
 
 def count_out(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 _TIMEDELTA_KEYWORDS = (
     "monitor_thread_interval",
@@ -192,3 +192,51 @@ def check_factory(name: str, value: Any) -> Callable[..., Any]:
     if not callable(value):
         raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a store class or factory")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowPolicy:
+    """When the job restarts on purpose to take waiting joiners in.
+
+    ``min_waiting``: only once at least this many joiners wait. ``min_interval_s``:
+    at most one grow per this many seconds (0: as soon as possible).
+    ``check_every``: safe points between two looks (each look costs every active
+    rank one store read; the grow comes one or two looks after the joiners).
+    """
+
+    min_waiting: int = 1
+    min_interval_s: float = 0.0
+    check_every: int = 10
+
+    def __post_init__(self) -> None:
+        if type(self.min_waiting) is not int or self.min_waiting < 1:
+            raise ValueError(f"GrowPolicy(min_waiting={self.min_waiting!r}): expected an int >= 1")
+        interval: object = self.min_interval_s  # checked as the caller gave it, whatever its type
+        if not isinstance(interval, (int, float)) or interval < 0:
+            raise ValueError(f"GrowPolicy(min_interval_s={self.min_interval_s!r}): expected seconds >= 0")
+        if type(self.check_every) is not int or self.check_every < 1:
+            raise ValueError(f"GrowPolicy(check_every={self.check_every!r}): expected an int >= 1")
+
+
+Hook = Optional[Callable[[Any], Any]]  # called with the rank's FrozenState
+
+
+class Settings(Protocol):
+    """What the engine reads of an :class:`inprocess.Wrapper`: its validated keywords (the
+    engine never imports the user's surface)."""
+
+    timeouts: Timeouts
+    store_factory: Callable[..., Any]
+    store_kwargs: dict[str, Any]
+    initialize: Hook
+    abort: Hook
+    finalize: Hook
+    health_check: Hook
+    completion: Hook
+    terminate: Hook
+    rank_assignment: Any
+    grow: Optional[GrowPolicy]
+    node_agent: Optional[bool]
+    events_dir: Optional[str]
+    monitor_process_logfile: Optional[str]
+    monitor_process_pidfile: Optional[str]

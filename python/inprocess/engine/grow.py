@@ -34,7 +34,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -42,34 +41,11 @@ from typing import Any, Callable, Optional
 from ..control.joining import JoinKeys
 from ..control.protocol import RestartProtocol
 from ..control.records import FaultRecord
+from .config import GrowPolicy
 
 log = logging.getLogger("inprocess")
 
 GROW = "grow"  # the kind of a grow's fault record
-
-
-@dataclasses.dataclass(frozen=True)
-class GrowPolicy:
-    """When the job restarts on purpose to take waiting joiners in.
-
-    ``min_waiting``: only once at least this many joiners wait. ``min_interval_s``:
-    at most one grow per this many seconds (0: as soon as possible).
-    ``check_every``: safe points between two looks (each look costs every active
-    rank one store read; the grow comes one or two looks after the joiners).
-    """
-
-    min_waiting: int = 1
-    min_interval_s: float = 0.0
-    check_every: int = 10
-
-    def __post_init__(self) -> None:
-        if type(self.min_waiting) is not int or self.min_waiting < 1:
-            raise ValueError(f"GrowPolicy(min_waiting={self.min_waiting!r}): expected an int >= 1")
-        interval: object = self.min_interval_s  # checked as the caller gave it, whatever its type
-        if not isinstance(interval, (int, float)) or interval < 0:
-            raise ValueError(f"GrowPolicy(min_interval_s={self.min_interval_s!r}): expected seconds >= 0")
-        if type(self.check_every) is not int or self.check_every < 1:
-            raise ValueError(f"GrowPolicy(check_every={self.check_every!r}): expected an int >= 1")
 
 
 class GrowPoints:

@@ -25,7 +25,7 @@ native watchdog (soft timeout, in the rank) and the monitor's guard (hard timeou
   waiting at a barrier for a slow peer is not hung.
 
 Which phase has which rule is the phase table's column ``hang_rule``
-(``engine/phases.py``); this module applies it.
+(``control/phases.py``); this module applies it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import contextlib
 from typing import Iterator
 
 from .. import _native
-from . import phases
-from .phases import HangRule
+from ..control import phases
+from ..control.phases import HangRule
 
 
 class HangGuard:

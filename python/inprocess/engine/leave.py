@@ -5,14 +5,16 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-import os
-import sys
 import traceback
 from types import FrameType
-from typing import Iterator, NoReturn, Optional
+from typing import Optional
 
+from ..control.counting_out import members_at
 from ..control.protocol import FaultRecord, RestartProtocol
-from ..state import Mode, State
+from ..exception import exception_chain
+from ..exits import EXIT_CODE_UNRELEASABLE, exit_now
+from ..gpu import nccl_abort
+from ..state import State
 
 log = logging.getLogger("inprocess")
 
@@ -43,16 +45,6 @@ class LeaveJob(Exception):
         super().__init__(reason.value)
         self.exc = exc
         self.reason = reason
-
-
-def exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, then what it was raised from or during (``__cause__``, else ``__context__``), each once."""
-    seen: set[int] = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 def drop_frames(exc: BaseException) -> None:
@@ -109,31 +101,12 @@ def _clear_callers(frame: Optional[FrameType]) -> None:
 
 
 def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseException, timeout: float) -> None:
-    """A rank leaving before it applied the initial barrier's decision is counted
-    out where its seat says, as its monitor counts out a rank that died there
-    (barrier 0 if it had not arrived), so that nobody waits for it."""
-
-    def expected_at(barrier: int) -> Optional[int]:
-        if barrier == 0:
-            return s.initial_world_size
-        decision = p.wait_decision(barrier - 1, timeout)
-        if decision.abort is not None or decision.membership.mode[s.initial_rank] == Mode.TERMINATED:
-            return None
-        return decision.membership.world_size
-
-    p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc), expected_at,
-                timeout=timeout, who=f"r{s.initial_rank}")
-
-
-def exit_now(code: int) -> NoReturn:
-    """Flush standard output and error, then ``os._exit(code)``: no finaliser and no
-    logging shutdown, either of which could wait on a thread that is stuck."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not keep the process alive
-            pass
-    os._exit(code)
+    """A rank leaving before it applied its first decision is counted out where its seat
+    says, as its monitor counts out a rank that died there (barrier 0 if it had not
+    arrived), so that nobody waits for it."""
+    p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc),
+                members_at(p, s.initial_rank, s.initial_world_size, timeout), timeout=timeout,
+                who=f"r{s.initial_rank}")
 
 
 def exit_if_nccl_abort_abandoned() -> None:
@@ -144,9 +117,6 @@ def exit_if_nccl_abort_abandoned() -> None:
     holds the group's mutex for the whole of its aborts), and destroying the
     groups, here or in torch's destructors at exit, waits on that mutex until
     the monitor's hard timeout."""
-    from ..gpu import nccl_abort  # not at import: inprocess.gpu imports this module
-    from .trigger import EXIT_CODE_UNRELEASABLE
-
     if not nccl_abort.abandoned():
         return
     log.error("an NCCL abort was abandoned at its deadline: this rank exits (code %d) without touching "

@@ -27,7 +27,7 @@ import os
 import select
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -37,18 +37,17 @@ from ..control.host_names import numeric_host_names
 from ..control.incarnation import job_incarnation
 from ..control.node_link import NodeLayout, NodeLink, socket_name
 from ..control.protocol import RestartProtocol, done_key
+from ..control.recovery_plan import Resource
 from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
 from ..processes import store_host
 from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig, rank_log_format
-from ..state import State
+from ..state import Mode, State
 from . import pg_tracker, sockets
+from .config import Settings
 from .hang_guard import HangGuard
 from .interrupt import MainThreadInterrupter
 from .trigger import RestartTrigger
-
-if TYPE_CHECKING:
-    from ..wrap import Wrapper
 
 log = logging.getLogger("inprocess")
 
@@ -83,7 +82,7 @@ class RankRuntime:
     monitor: Optional[HelperProcess]
     events: Optional[EventLog]  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
 
-    def __init__(self, wrapper: Wrapper, state: State, call_index: int, join_token: str = ""):
+    def __init__(self, wrapper: Settings, state: State, call_index: int, join_token: str = ""):
         self._w = wrapper
         # This process joins a running job (control/joining.py): its node's agent if one runs, a monitor that knows it.
         self.join_token = join_token
@@ -102,7 +101,7 @@ class RankRuntime:
     @classmethod
     def open(
         cls,
-        wrapper: Wrapper,
+        wrapper: Settings,
         state: State,
         call_index: int,
         *,
@@ -318,16 +317,24 @@ class RankRuntime:
         """From the trigger thread, at a restart: releases a rendezvous blocked on a failed peer."""
         sockets.shutdown_connected(self._user_sockets)
 
-    def release_iteration(self) -> None:
-        """In the main thread, after the abort: the failed iteration's groups and client go.
+    def release(self, resources: frozenset[Resource]) -> None:
+        """In the main thread, after the abort: what a restart releases of the failed iteration
+        at this moment (:data:`inprocess.control.recovery_plan.RELEASE_SCHEDULE`).
 
         Back in the main thread, the failed iteration's frames gone and its
         collectives ended, destroying the groups here can race neither with DDP
         nor deadlock on the gloo workers (see inprocess.engine.pg_tracker).
         """
-        pg_tracker.release_groups()
-        sys.excepthook = self.saved_excepthook
-        self._user_client, self._user_sockets = None, {}
+        if Resource.PROCESS_GROUPS in resources:
+            pg_tracker.release_groups()
+            sys.excepthook = self.saved_excepthook
+        if Resource.ITERATION_STORE in resources:
+            self._user_client, self._user_sockets = None, {}
+
+    def emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
+        """An event of this rank (:mod:`inprocess.events`), where events are on."""
+        if self.events is not None:
+            self.events.emit(kind, t_ns, **fields)
 
     def user_prefix(self, iteration: int) -> str:
         return f"{self.protocol.prefix}user/{iteration}/"
@@ -377,8 +384,6 @@ class RankRuntime:
 
     def _wait_for_the_other_ranks(self) -> None:
         """Whoever serves the store keeps serving until every rank left the call."""
-        from ..state import Mode
-
         terminated = self._state.mode == Mode.TERMINATED
         host = store_mod.host_process(self.store)
         completion_timeout = _seconds(self._w.timeouts.completion_timeout)

@@ -15,11 +15,10 @@ import time
 from typing import Callable, Optional
 
 from ..control.protocol import RESTART, RestartProtocol
+from ..exits import EXIT_CODE_UNRELEASABLE
 from .interrupt import MainThreadInterrupter
 
-# Exit status of a rank whose main thread the abort could not release (design
-# principle 9): the launcher sees it and may replace the process.
-EXIT_CODE_UNRELEASABLE = 75
+__all__ = ["EXIT_CODE_UNRELEASABLE", "IterationOutcome", "RestartTrigger"]
 
 log = logging.getLogger("inprocess")
 

@@ -20,17 +20,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
+from .. import calls
+from ..environment import env_int
 from ..state import FrozenState, Mode
 from . import actions, unfired
 from .plan import GPU_KINDS, MAIN_THREAD_KINDS, FaultPlan, Kind, ScheduledFault
 
-if TYPE_CHECKING:
-    from ..call_wrapper import CallWrapper
+
+class CallWrapper(Protocol):
+    """What the fault injector reads of an :class:`inprocess.CallWrapper`."""
+
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def frozen_state(self) -> FrozenState: ...
 
 log = logging.getLogger("inprocess.faults")
 
@@ -383,20 +390,10 @@ def report_unfired(rank: int, world_size: int, last_iteration: int) -> list[str]
 
 def _whereabouts(call_wrapper: Optional["CallWrapper"]) -> tuple[int, int, int, bool]:
     if call_wrapper is None:
-        # No wrapped call runs unless its module was imported: importing it here would import torch.
-        module = sys.modules.get("inprocess.call_wrapper")
-        call_wrapper = None if module is None else module.current_call()
+        call_wrapper = calls.current_call()
     if call_wrapper is not None:
         s = call_wrapper.frozen_state
         return s.initial_rank, s.initial_world_size, s.iteration, s.mode == Mode.ACTIVE
-    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), 0, True
+    return env_int("RANK", 0), env_int("WORLD_SIZE", 1), 0, True
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected an integer (inprocess.faults reads it for the rank)") from None

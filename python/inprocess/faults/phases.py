@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..engine import phases as phase_table
+from ..control import phases as phase_table
 from ..state import Mode
 from . import unfired
 from .arming import ENV_VAR, fire, plan_from_environment

@@ -35,7 +35,7 @@ import re
 from random import Random
 from typing import Callable, Optional
 
-from ..engine import phases as phase_table
+from ..control import phases as phase_table
 
 MAX_RANK = 2**31 - 1
 MAX_STEP = 10**15
@@ -74,7 +74,7 @@ GPU_KINDS = frozenset({Kind.GPU_ERROR, Kind.GPU_SLEEP})
 KINDS_WITH_DURATION = frozenset({Kind.HANG, Kind.GIL_HANG, Kind.GPU_SLEEP})
 
 # The phases a fault may name (phase=NAME), and when a rank enters each: the wrapper's, from the
-# phase table (engine/phases.py), and two steps of a barrier that only its leader goes through.
+# phase table (control/phases.py), and two steps of a barrier that only its leader goes through.
 PHASES = {
     **phase_table.fault_names(),
     "reassignment": "the barrier's leader (only) computes the decision, before the rank assignment runs",

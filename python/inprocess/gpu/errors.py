@@ -5,18 +5,17 @@ from __future__ import annotations
 import logging
 from typing import Callable, NoReturn, Optional
 
-from ..engine.leave import exception_chain, exit_now
-from ..exception import HealthCheckError, RestartError
+from ..exception import HealthCheckError, RestartError, exception_chain
+from ..exits import EXIT_CODE_CONTEXT_LOST, exit_now
 
 log = logging.getLogger("inprocess")
 
-# Exit status of a rank whose CUDA context is lost (a sticky error: illegal
-# address, launch failure, uncorrectable ECC, ...; or a device that read back
-# other data than was written). The context cannot be repaired inside the
-# process, so the rank leaves and the outer launcher replaces the process
-# (design principle 9). 75 is the rank whose main thread could not be
-# released (inprocess.engine.trigger.EXIT_CODE_UNRELEASABLE).
-EXIT_CODE_CONTEXT_LOST = 76
+# EXIT_CODE_CONTEXT_LOST (76, inprocess.exits): the exit status of a rank whose CUDA context is lost (a
+# sticky error: illegal address, launch failure, uncorrectable ECC, ...; or a device that read back other
+# data than was written). The context cannot be repaired inside the process, so the rank leaves and the
+# outer launcher replaces the process.
+__all__ = ["EXIT_CODE_CONTEXT_LOST", "CudaContextLost", "GpuUnavailable", "GpuUnhealthy", "NcclAbortTimeout",
+           "leave_for_lost_context", "lost_context_in"]
 
 
 class GpuUnavailable(HealthCheckError):

@@ -50,12 +50,11 @@ import time
 from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
-from ..control import seats
+from ..control import phases, seats
+from ..control.counting_out import members_at
 from ..control.joining import ADMITTED, GONE, JoinKeys, Outcome
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
-from ..engine import phases
-from ..state import Mode
 from .contract import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, MonitorConfig, StopRequest, run_helper
 
 EXIT_STORE = 3
@@ -574,15 +573,9 @@ class Monitor:
         protocol = (self.protocol if store is None
                     else RestartProtocol(store, self.args.call, incarnation=self.args.incarnation))
 
-        def expected_at(barrier: int) -> Optional[int]:
-            if barrier == 0:
-                if self.args.world_size is None:
-                    raise RuntimeError(f"rank {rank} left before the initial barrier and --world-size was not given")
-                return int(self.args.world_size)
-            decision = protocol.wait_decision(barrier - 1, self.args.barrier_timeout_s)
-            if decision.abort is not None or decision.membership.mode[rank] == Mode.TERMINATED:
-                return None
-            return decision.membership.world_size
+        # --world-size not given: a rank lost before the initial barrier cannot be counted out there.
+        world_size = None if self.args.world_size is None else int(self.args.world_size)
+        expected_at = members_at(protocol, rank, world_size, self.args.barrier_timeout_s)
 
         try:
             barrier = protocol.count_out(

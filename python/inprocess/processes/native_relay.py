@@ -47,7 +47,7 @@ from ..control.leadership import LOST_MARK, parse_lost_mark
 from ..control.protocol import COMPLETE, RESTART, TERMINATED_UNIT, RestartProtocol
 from ..control.records import Decision
 from ..exception import InternalError
-from .node_agent import NodeRelay
+from .node_relay import NodeRelay
 
 __all__ = ["NativeNodeRelay", "relay_layout"]
 

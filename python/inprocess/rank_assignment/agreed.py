@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..state import Mode, State
 from .base import JobAssignmentCtx, Topology
 
-if TYPE_CHECKING:
-    from .job import JobAssignment
+
+class JobStep(Protocol):
+    """What the agreed inputs run of a :class:`~inprocess.rank_assignment.job.JobAssignment`: its job-wide step."""
+
+    def assign_job(self, ctx: JobAssignmentCtx) -> Optional[JobAssignmentCtx]: ...
 
 _current: contextvars.ContextVar[Optional["AgreedInputs"]] = contextvars.ContextVar(
     "inprocess_rank_assignment_agreed", default=None
@@ -162,7 +165,7 @@ class AgreedInputs:
                 f"decision (ranks 0..{len(self._initial_of_rank) - 1})"
             ) from None
 
-    def job_result(self, assignment: "JobAssignment", leaving: set[int]) -> "JobResult":
+    def job_result(self, assignment: JobStep, leaving: set[int]) -> "JobResult":
         """``assignment``'s job-wide step on the previous decision with ``leaving`` (initial ranks) pending.
 
         Computed once per (assignment, leaving) and shared by every rank the

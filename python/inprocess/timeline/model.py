@@ -10,8 +10,8 @@ import dataclasses
 import statistics
 from typing import Any, Optional
 
+from inprocess.control import phases as phase_table
 from inprocess.control.protocol import FaultRecord
-from inprocess.engine import phases as phase_table
 from inprocess.engine.restart_record import is_consequence
 from inprocess.timeline.reading import Event, Loaded, Run, Segment
 

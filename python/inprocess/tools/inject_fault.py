@@ -32,13 +32,13 @@ import dataclasses
 import enum
 import itertools
 import logging
-import os
 import random
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
+from ..environment import env_int
 from ..faults.actions import InjectedException
 from ..faults.arming import ArmedFaults, raise_in_thread
 from ..faults.plan import FaultPlan, FaultSpec, Kind, Ranks
@@ -159,8 +159,8 @@ def inject_fault(
         raise ValueError(f"seed={seed!r}: expected an integer")
     if callback is not None and not callable(callback):
         raise ValueError(f"callback={callback!r}: expected a callable or None")
-    rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
     rng = random.Random(seed)
     if _is_number(delay):
         delay_s = float(delay)  # type: ignore[arg-type]
@@ -181,7 +181,7 @@ def inject_fault(
 
 
 def _arm_once(kind: Kind, delay_s: float, callback: Optional[Callable[[], Any]]) -> None:
-    rank = _env_int("RANK", 0)
+    rank = env_int("RANK", 0)
     delay_ms = round(delay_s * 1000)
     spec = FaultSpec(kind, Ranks(listed=(rank,)), after_ms=(delay_ms, delay_ms))
     ArmedFaults(FaultPlan((spec,)), rank, rank + 1, 0, callback=callback, persistent=True,
@@ -236,16 +236,6 @@ def _check_delay_range(delay: object) -> tuple[float, float]:
     if not (_is_number(lo) and _is_number(hi)) or not 0 <= lo <= hi:
         raise ValueError(f"delay={delay!r}: expected 0 <= min <= max seconds")
     return float(lo), float(hi)
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected an integer") from None
 
 
 __all__ = [

@@ -1,16 +1,23 @@
 """The recovery plan: what one decision of a barrier means for one rank.
 
 The leader's decision (:class:`inprocess.control.records.Decision`) travels as
-O(changes): the new membership's runs, the ranks terminated, the faults. Each
-rank derives its own :class:`RecoveryPlan` from it with one pure function,
-:meth:`RecoveryPlan.for_rank` (the membership the rank had before, the
-decision, its initial rank): which way its role goes (:class:`Transition`),
-which rank it had and gets, what it must release and what it may keep
-(:class:`Resource`), and where its state comes from (:class:`StateSource`).
-The restart loop (``call_wrapper.py``) applies the plan instead of reading
-those facts out of the membership itself. :class:`DecisionSummary` is the
-same decision for the whole job (who leaves, who stays, who joins), as plain
-data for the logs and the events.
+O(changes): the new membership's runs, the ranks terminated, the joiners
+admitted, the faults. Each rank derives its own :class:`RecoveryPlan` from it
+with one pure function, :meth:`RecoveryPlan.for_rank` (the membership the rank
+had before, the decision, its initial rank): which way its role goes
+(:class:`Transition`), which rank it had and gets, what it releases of the
+failed iteration once the decision is known (:class:`Resource`, by the
+:data:`RELEASE_SCHEDULE`), and where its state comes from
+(:class:`StateSource`). The executor (``engine/recovery.py``) carries the plan
+out instead of reading those facts out of the membership itself.
+:class:`DecisionSummary` is the same decision for the whole job (who leaves,
+who stays, who joins), as plain data for the logs and the events.
+
+Two rules every reader of a decision shares are defined here once:
+:func:`leaves` (a decision takes a rank out of the job) and :func:`seated`
+(the decision's joiners take their seats in the membership before it, which
+the leader's rank assignment and every rank's check of it start from). The
+monitor, the counting out of a rank and the executor call them.
 
 At the job's start (the initial barrier) there is no previous membership: no
 rank has run the function, so none has state in memory, and each one starts
@@ -18,9 +25,10 @@ as what the first decision makes it: active (:attr:`Transition.ACTIVATE`, its
 state from the user's code) or a spare (:attr:`Transition.STAY_SPARE`).
 
 :attr:`Transition.JOIN` is for a process admitted by this decision into a seat
-(an initial rank) that had left the job: the decision will name those seats
-(issue 21's joins). No decision names any yet, so only a caller that passes
-``joined`` reaches it.
+(an initial rank) that had left the job (``Decision.joined``,
+:mod:`inprocess.control.joining`): the joiner itself, which had no membership
+before, and every other rank, whose previous membership had the seat
+terminated, derive it from the decision alone.
 
 This module imports no torch.
 """
@@ -29,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Collection, Optional
+from typing import Any, Iterable, Mapping, Optional
 
-from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
-from ..control.records import Decision
 from ..exception import InternalError
 from ..state import Mode
+from .membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
+from .records import Decision
 
 
 class Transition(enum.Enum):
@@ -49,10 +57,17 @@ class Transition(enum.Enum):
 
 
 class Resource(enum.Enum):
-    """What a failed iteration leaves behind on a rank, which a plan releases or keeps."""
+    """What a failed iteration leaves behind on a rank, which a restart releases."""
 
     PROCESS_GROUPS = "process_groups"  # the torch.distributed groups the iteration created (engine/pg_tracker.py)
     ITERATION_STORE = "iteration_store"  # the function's store client of the iteration (CallWrapper.store)
+
+
+class Moment(enum.Enum):
+    """When a restart releases a resource of the failed iteration."""
+
+    BEFORE_DECISION = "before_decision"  # back in the main thread after the abort, before the barrier
+    AFTER_DECISION = "after_decision"  # once the rank's plan is known, before the function runs again
 
 
 class StateSource(enum.Enum):
@@ -62,9 +77,32 @@ class StateSource(enum.Enum):
     USER = "user"  # the rank was not: the user's code loads it (from a checkpoint, from storage)
 
 
-# What every restart releases today: all of it, before its barrier (RankRuntime.release_iteration),
-# since no rank knows the decision yet. A plan that keeps a resource needs the release moved after it.
-RELEASED_BEFORE_DECISION: frozenset[Resource] = frozenset(Resource)
+# When every restart releases what: today all of it before its barrier (no rank knows the decision
+# yet). A resource moved to AFTER_DECISION is released by the plan (RecoveryPlan.release), on every
+# rank whatever its transition, once the decision is known.
+RELEASE_SCHEDULE: Mapping[Resource, Moment] = {
+    Resource.PROCESS_GROUPS: Moment.BEFORE_DECISION,
+    Resource.ITERATION_STORE: Moment.BEFORE_DECISION,
+}
+
+
+def released_at(moment: Moment, schedule: Mapping[Resource, Moment] = RELEASE_SCHEDULE) -> frozenset[Resource]:
+    """The resources ``schedule`` releases at ``moment``."""
+    return frozenset(r for r in Resource if schedule[r] is moment)
+
+
+def leaves(decision: Decision, initial_rank: int) -> bool:
+    """The leave rule: ``decision`` takes ``initial_rank`` out of the job (the job ends, or the
+    rank is terminated). Every reader of a decision asks it here."""
+    return decision.abort is not None or decision.membership.mode[initial_rank] == TERMINATED
+
+
+def seated(previous: Membership, joined: Iterable[tuple[int, int]]) -> Membership:
+    """The membership a decision changes: ``previous`` with the decision's joiners (``(seat, life)``
+    pairs) seated as spares (:meth:`Membership.with_joined`); ``previous`` itself when none joined.
+    The leader's rank assignment starts from it, and every rank's check of its own row."""
+    joined = list(joined)
+    return previous.with_joined(joined) if joined else previous
 
 
 def _mode(column: int, initial_rank: int) -> Mode:
@@ -98,18 +136,19 @@ def transition(old: Mode, new: Mode, joined: bool = False) -> Transition:
 class RecoveryPlan:
     """What one decision means for one rank (initial rank ``initial_rank``).
 
-    ``old_*`` describe the rank before the decision (``None``/``Mode.INITIALIZED``
-    at the job's start), ``new_*`` after it (``None`` where a rank has no such
-    rank: a spare has no active rank, a leaving rank none at all). The world
-    sizes before are the previous plan's (and :class:`DecisionSummary` has the
-    changes): counting them again would cost O(world size) per rank. ``ends_job``
-    is the reason the whole job ends at this decision (every rank leaves).
+    ``old_*`` describe the rank before the decision (``None`` at the job's
+    start and for a joiner), ``new_*`` after it (``None`` where a rank has no
+    such rank: a spare has no active rank, a leaving rank none at all). The
+    world sizes before are the previous plan's (and :class:`DecisionSummary`
+    has the changes): counting them again would cost O(world size) per rank.
+    ``release``: what the rank releases of the failed iteration once the
+    decision is known (:data:`RELEASE_SCHEDULE`). ``ends_job`` is the reason
+    the whole job ends at this decision (every rank leaves).
     """
 
     iteration: int  # the iteration the decision starts
     initial_rank: int
     transition: Transition
-    old_mode: Mode
     new_mode: Mode
     old_rank: Optional[int]
     new_rank: Optional[int]
@@ -117,16 +156,16 @@ class RecoveryPlan:
     new_active_rank: Optional[int]
     new_world_size: int
     new_active_world_size: int
-    release: frozenset[Resource]  # what the rank must release of the failed iteration
-    keep: frozenset[Resource]  # what it may keep of it (nothing, until a grow keeps its groups)
+    release: frozenset[Resource]
     state_source: Optional[StateSource]  # None: the rank runs no function in the next iteration
     ends_job: Optional[str] = None
 
     @classmethod
     def for_rank(cls, previous: Optional[Membership], decision: Decision, initial_rank: int,
-                 joined: Collection[int] = ()) -> "RecoveryPlan":
-        """The plan of ``initial_rank`` from the membership it had (``None`` at the job's start) and the
-        decision; ``joined``: the seats this decision fills with joiners (none before joins exist)."""
+                 schedule: Mapping[Resource, Moment] = RELEASE_SCHEDULE) -> "RecoveryPlan":
+        """The plan of ``initial_rank`` from the membership it had (``None`` at the job's start and
+        for a joiner the decision admits) and the decision; ``schedule``: when the restart releases
+        each resource of the failed iteration."""
         m = decision.membership
         r = initial_rank
         if not 0 <= r < m.initial_world_size:
@@ -135,29 +174,33 @@ class RecoveryPlan:
             raise InternalError(f"initial world size changed from {previous.initial_world_size} "
                                 f"to {m.initial_world_size}")
         new_mode = _mode(m.mode[r], r)
-        if previous is None:
-            old_mode, old_rank, old_active = Mode.INITIALIZED, None, None
+        joined = any(seat == r for seat, _ in decision.joined)
+        if previous is None or joined:
+            old_mode, old_rank, old_active = Mode.TERMINATED if joined else Mode.INITIALIZED, None, None
         else:
             old_mode = _mode(previous.mode[r], r)
             old_rank, old_active = _rank(previous.rank[r]), _rank(previous.active_rank[r])
-        if decision.abort is not None:
-            kind = Transition.LEAVE
-        else:
-            kind = transition(old_mode, new_mode, r in joined)
+        kind = Transition.LEAVE if leaves(decision, r) else transition(old_mode, new_mode, joined)
         source = None
         if kind is not Transition.LEAVE and new_mode == Mode.ACTIVE:
             source = StateSource.MEMORY if kind is Transition.STAY_ACTIVE else StateSource.USER
         return cls(
-            iteration=decision.iteration, initial_rank=r, transition=kind,
-            old_mode=old_mode, new_mode=new_mode,
+            iteration=decision.iteration, initial_rank=r, transition=kind, new_mode=new_mode,
             old_rank=old_rank, new_rank=_rank(m.rank[r]),
             old_active_rank=old_active, new_active_rank=_rank(m.active_rank[r]),
             new_world_size=m.world_size, new_active_world_size=m.active_world_size,
-            # Nothing ran before the first decision; after a failed iteration, everything goes (for now).
-            release=frozenset() if previous is None else RELEASED_BEFORE_DECISION,
-            keep=frozenset() if previous is None else frozenset(Resource) - RELEASED_BEFORE_DECISION,
+            # Nothing ran before a first decision (a joiner's too); after a failed iteration, what the schedule
+            # leaves for now.
+            release=frozenset() if previous is None else released_at(Moment.AFTER_DECISION, schedule),
             state_source=source, ends_job=decision.abort,
         )
+
+    def fields(self) -> dict[str, Any]:
+        """This rank's part of a decision as JSON-ready fields (its ``decision`` event's ``plan``)."""
+        return {"transition": self.transition.value, "rank": [self.old_rank, self.new_rank],
+                "active_rank": [self.old_active_rank, self.new_active_rank],
+                "state": None if self.state_source is None else self.state_source.value,
+                "release": sorted(x.value for x in self.release)}
 
     @property
     def leaves(self) -> bool:
@@ -196,17 +239,28 @@ class DecisionSummary:
     ends_job: Optional[str] = None
 
     @classmethod
-    def of(cls, previous: Optional[Membership], decision: Decision, joined: Collection[int] = ()) -> "DecisionSummary":
+    def of(cls, previous: Optional[Membership], decision: Decision) -> "DecisionSummary":
         """The transition of each initial rank, as its own plan gives it, counted and listed. Every rank
         computes it at every decision: one C-speed comparison of the mode columns, then Python work
-        only for the ranks whose mode changed (16,384 ranks: about 1 ms)."""
+        only for the ranks whose mode changed (16,384 ranks: about 1 ms).
+
+        ``previous`` None: the job's start, or a joiner's first decision. A joiner knew no membership
+        before: it lists the seats the decision fills and the ranks it names terminated, and counts
+        the spares the decision activated among those that stayed."""
         m = decision.membership
         new = m.mode
+        seats = sorted(seat for seat, _ in decision.joined)
         if decision.abort is not None:  # the job ends: everyone still in it leaves
             old = previous.mode if previous is not None else None
             left = [r for r, x in enumerate(new) if x != TERMINATED or (old is not None and old[r] != TERMINATED)]
             return cls(decision.iteration, left, [], [], [], 0, 0, 0, m.world_size, m.active_world_size,
                        ends_job=decision.abort)
+        if previous is None and seats:  # a joiner's view of the decision that admits it
+            joined_active = sum(1 for r in seats if new[r] == ACTIVE)
+            return cls(decision.iteration, sorted(decision.terminated), [], [], seats,
+                       stayed_active=new.count(ACTIVE) - joined_active,
+                       stayed_spare=new.count(INACTIVE) - (len(seats) - joined_active), started_active=0,
+                       world_size=m.world_size, active_world_size=m.active_world_size)
         if previous is None:  # the job's start: nobody was anything yet
             return cls(decision.iteration, [r for r, x in enumerate(new) if x == TERMINATED], [], [], [],
                        stayed_active=0, stayed_spare=new.count(INACTIVE), started_active=new.count(ACTIVE),
@@ -214,7 +268,7 @@ class DecisionSummary:
         old = previous.mode
         changed = [] if old == new else [r for r, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
         lists: dict[Transition, list[int]] = {t: [] for t in Transition}
-        joined_set = set(joined)
+        joined_set = set(seats)
         for r in changed:
             lists[transition(_mode(old[r], r), _mode(new[r], r), r in joined_set)].append(r)
         joined_list = lists[Transition.JOIN]  # a refilled seat had left: its mode changed

@@ -6,7 +6,8 @@ rank's monitor from outside the process). Everything the Python side needs to
 know about a phase is one row here, and every place that treats phases
 differently reads its list from this table:
 
-* the restart loop (``call_wrapper.py``) enters phases by their native value;
+* the executor (``engine/recovery.py``) enters phases by their native value, and runs a
+  restart as one step per row, in the table's order;
 * the hang guard (``engine/hang_guard.py``) applies the row's :class:`HangRule`;
 * the monitor (``processes/monitor.py``) reads :func:`finished` (a rank that
   died there had left the wrapper: nothing to do) and :func:`counted_in_barrier`
@@ -107,9 +108,14 @@ def counted_in_barrier() -> frozenset[_native.Phase]:
     return frozenset(r.phase for r in TABLE if r.counted_in_barrier)
 
 
+def restart_rows() -> tuple[PhaseRow, ...]:
+    """A restart's rows, in the order a rank goes through them (the executor's steps)."""
+    return tuple(r for r in TABLE if r.in_restart)
+
+
 def restart_phase_names() -> tuple[str, ...]:
     """The names of a restart's phases, in the order a rank goes through them."""
-    return tuple(r.name for r in TABLE if r.in_restart)
+    return tuple(r.name for r in restart_rows())
 
 
 def fault_names() -> dict[str, str]:
