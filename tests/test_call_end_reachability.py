@@ -193,7 +193,8 @@ def reachable() -> dict[str, Any]:
             "stores": sorted(type(o).__qualname__ for o in objects if isinstance(o, dist.Store)),
             "runtimes": sum(isinstance(o, RankRuntime) for o in objects),
             # A CallWrapper may stay reachable (the caller's frames in the traceback hold it): with nothing open.
-            "open_call_wrappers": sum(isinstance(o, inprocess.CallWrapper) and o._recovery is not None for o in objects),
+            "open_call_wrappers": sum(isinstance(o, inprocess.CallWrapper) and o._recovery is not None
+                                      for o in objects),
         }
     del objects
     return found

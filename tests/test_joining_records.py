@@ -130,7 +130,7 @@ def test_the_leader_refuses_admits_and_leaves_waiting_as_each_joiner_deserves(pr
     assert k.read_outcome("held") is None and k.read_outcome("second") is None  # they wait
     assert "expected 0..3" in k.read_outcome("outside").why  # type: ignore[union-attr]
     assert p.read_seat(2) == "2@1"  # the admitted joiner takes part in iteration 2, seat life 1
-    assert '[2,[["node-b"]]]' in (p.counted.peek(p.job_key("topology")) or b"").decode()
+    assert '[2,[["node-b"]]]' in (p.counted.peek(p.keys.topology()) or b"").decode()
     # A leader that takes the lead over at the same barrier reads the same admission.
     assert admit(p, 2, shrunk([2])) == [(2, 1)]
     # Every joiner resolved here was told (its told key wakes its wait); "held" and "second" wait on.
@@ -192,7 +192,7 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_l
     reads = 2 * -(-2 * k // joining.KEYS_PER_REQUEST)  # a check and a multi_get per 256 records and seats
     assert p.ops - calls == 2 + reads + (1 if pipelined else 0) + k + 1 + 1 + k + 1 + 1
     assert p.ops - calls == (2 * k + 9 - (0 if pipelined else 1) if k <= 128 else 2 * k + 11)
-    topology = [json.loads(line) for line in (p.counted.peek(p.job_key("topology")) or b"").decode().splitlines()]
+    topology = [json.loads(line) for line in (p.counted.peek(p.keys.topology()) or b"").decode().splitlines()]
     assert topology == [[r, [[f"node-{r}"]]] for r in lost]
     assert [p.read_seat(r) for r in lost] == ["2@1"] * k
     assert [keys.wait_outcome(f"j{r}", 1.0) for r in lost] == [Outcome("admitted", 2, r, 1) for r in lost]

@@ -113,7 +113,15 @@ class Job:
             time.sleep(0.01)
 
     def value(self, name: str) -> Optional[bytes]:
-        key = self.protocol(self.server).key(BARRIER, name)
+        """The barrier's key ``name`` ("lead.<t>" and "decision.<t>": a term's, control/keys.py)."""
+        keys = self.protocol(self.server).keys
+        kind, _, term = name.partition(".")
+        if kind == "lead":
+            key = keys.term_claim(BARRIER, int(term))
+        elif kind == "decision" and term:
+            key = keys.term_outcome(BARRIER, int(term))
+        else:
+            key = keys.iteration(BARRIER, name)
         return bytes(self.server.get(key)) if self.server.check([key]) else None
 
     def one_decision(self, ranks: list[int]) -> Decision:
@@ -311,11 +319,11 @@ def test_the_last_healthy_arrival_lost_ends_the_jobs_keys() -> None:
     job.protocol().arrive(BARRIER, 1, 2)
     assert job.count_out(0) == BARRIER
     p = job.protocol(job.server)
-    assert not job.server.check([p.job_key("done")])  # rank 1 may still take the lead
+    assert not job.server.check([p.keys.done()])  # rank 1 may still take the lead
     assert job.count_out(1) == BARRIER
-    assert job.server.check([p.job_key("done")])
+    assert job.server.check([p.keys.done()])
     left = [k for k in job.server.list_keys() if k.startswith(p.prefix) and "/seat/" not in k]
-    assert left == [p.job_key("done")], left
+    assert left == [p.keys.done()], left
 
 
 @pytest.mark.parametrize("deleter", ["saw the takeover", "a fresh connection"])
@@ -338,7 +346,7 @@ def test_the_takeovers_keys_go_with_the_iteration(deleter: str) -> None:
     threads = [job.waiter(r, p=again[r], barrier=BARRIER + 1, previous=previous) for r in (0, 2, 3)]
     join(threads)
     assert all(isinstance(job.results[r], Decision) for r in (0, 2, 3)), job.results
-    assert [k for k in job.server.list_keys() if k.startswith(p.key(BARRIER, ""))] == []
+    assert [k for k in job.server.list_keys() if k.startswith(f"{p.prefix}{BARRIER}/")] == []
 
 
 def test_without_a_fault_the_leader_sends_one_request_more_and_the_others_none() -> None:

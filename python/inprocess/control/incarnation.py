@@ -17,6 +17,10 @@ import os
 import urllib.parse
 from typing import Mapping, Optional
 
+from .keys import call_prefix
+
+__all__ = ["INCARNATION_VARS", "SLURM_VARS", "TORCHRUN_VARS", "call_prefix", "job_incarnation"]
+
 # Set by the launchers, different for every incarnation of a job.
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
@@ -37,14 +41,3 @@ def job_incarnation(env: Optional[Mapping[str, str]] = None) -> str:
     env = os.environ if env is None else env
     parts = [p for p in (_part("torchrun", TORCHRUN_VARS, env), _part("slurm", SLURM_VARS, env)) if p is not None]
     return "+".join(parts)
-
-
-def call_prefix(call: int, incarnation: str = "") -> str:
-    """The prefix of every store key of wrapped call ``call`` in ``incarnation``:
-    ``inprocess/<call>/`` without a launcher's incarnation,
-    ``inprocess/<incarnation>/<call>/`` with one."""
-    if type(call) is not int or call < 0:
-        raise ValueError(f"call={call!r}: expected a wrapped call index (int >= 0)")
-    if "/" in incarnation:
-        raise ValueError(f"incarnation={incarnation!r}: expected no '/' (job_incarnation() quotes it)")
-    return f"inprocess/{incarnation}/{call}/" if incarnation else f"inprocess/{call}/"

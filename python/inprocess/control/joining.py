@@ -102,7 +102,7 @@ from typing import Any, Optional
 
 from ..exception import InternalError, TimeoutError
 from . import seats
-from .incarnation import call_prefix
+from .keys import CallKeys, running
 from .membership import TERMINATED, Membership
 from .records import HOST, MAX_MESSAGE, loads_strict
 from .seat_table import SeatTable
@@ -130,7 +130,7 @@ def join_requested(env: Optional[dict[str, str]] = None) -> bool:
 
 def running_key(call: int) -> str:
     """Where the job of call ``call`` names its incarnation (not under any incarnation's prefix)."""
-    return f"inprocess/running/{call}"
+    return running(call)
 
 
 def new_token() -> str:
@@ -274,25 +274,25 @@ class JoinKeys:
         self.counted = store  # a CountingStore: every call counted, as the protocol's
         self.call = call
         self.incarnation = incarnation
-        self.prefix = call_prefix(call, incarnation)
+        self.keys = CallKeys.of(call, incarnation)
 
     def joiner_key(self, token: str) -> str:
-        return f"{self.prefix}joiner/{token}"
+        return self.keys.joiner(token)
 
     def told_key(self, token: str) -> str:
-        return f"{self.prefix}joiner/{token}/told"
+        return self.keys.joiner_told(token)
 
     @property
     def lines_key(self) -> str:
-        return f"{self.prefix}joiners"
+        return self.keys.joiners()
 
     @property
     def resolved_key(self) -> str:
-        return f"{self.prefix}joiners.resolved"
+        return self.keys.joiners_resolved()
 
     @property
     def resolved_count_key(self) -> str:
-        return f"{self.prefix}joiners.resolved_count"
+        return self.keys.joiners_resolved_count()
 
     # -- the job ------------------------------------------------------------------
 
@@ -323,10 +323,10 @@ class JoinKeys:
         if held != PENDING:
             raise InternalError(f"joiner {announcement.token}: its record holds {held[:120]!r} before it announced")
         self.counted.append(self.lines_key, announcement.to_json() + "\n")
-        self.counted.add(f"{self.prefix}joiners.announced", 1)
+        self.counted.add(self.keys.joiners_announced(), 1)
 
     def watched_key(self, token: str) -> str:
-        return f"{self.prefix}joiner/{token}/watched"
+        return self.keys.joiner_watched(token)
 
     def mark_watched(self, token: str, counter: int) -> None:
         """The joiner's monitor beats on its seat's counter from ``counter`` on (its first beat's value)."""
@@ -349,7 +349,7 @@ class JoinKeys:
 
     def waiting(self) -> int:
         """Joiners announced and not resolved yet: two counter reads (a grow's look, engine/grow.py)."""
-        announced = self.counted.add(f"{self.prefix}joiners.announced", 0)
+        announced = self.counted.add(self.keys.joiners_announced(), 0)
         # Never below 0: a joiner that died between its record and its counter was resolved, not counted.
         return max(0, announced - self.counted.add(self.resolved_count_key, 0))
 

@@ -64,6 +64,7 @@ import logging
 from typing import Callable, Optional, Protocol
 
 from ..exception import InternalError
+from .keys import CallKeys
 from .records import DecideFn, Decision, FaultRecord, loads_strict
 from .store_ops import CountingStore, Deadline
 
@@ -101,14 +102,14 @@ class Terms:
 
     def __init__(self, counted: CountingStore, prefix: str):
         self.counted = counted
-        self.prefix = prefix
+        self.keys = CallKeys(prefix)
         self._last_term: dict[int, int] = {}
 
     def outcome_key(self, barrier: int, term: int) -> str:
-        return f"{self.prefix}{barrier}/decision" + (f".{term}" if term else "")
+        return self.keys.term_outcome(barrier, term)
 
     def claim_key(self, barrier: int, term: int) -> str:
-        return f"{self.prefix}{barrier}/lead.{term}"
+        return self.keys.term_claim(barrier, term)
 
     def saw(self, barrier: int, term: int) -> None:
         """Term ``term`` of ``barrier`` exists (its outcome was read or written here)."""

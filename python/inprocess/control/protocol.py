@@ -86,8 +86,8 @@ from typing import Any, Callable, Iterable, Optional
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
 from . import seats
 from .counting_out import count_out
-from .incarnation import call_prefix
 from .joining import JoinKeys
+from .keys import ITERATION_KEYS, CallKeys, call_prefix
 from .leadership import Terms, decide_barrier, parse_lost_mark
 from .node_link import BOARD_TIMEOUT, OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
@@ -112,12 +112,12 @@ log = logging.getLogger("inprocess")
 
 def done_key(call: int, incarnation: str = "") -> str:
     """Set when the last rank left call ``call``; the store host exits on it."""
-    return f"{call_prefix(call, incarnation)}done"
+    return CallKeys.of(call, incarnation).done()
 
 
 def monitor_heartbeat_key(call: int, rank: int, incarnation: str = "") -> str:
     """The counter the monitor of ``rank`` adds 1 to every heartbeat interval."""
-    return f"{call_prefix(call, incarnation)}monitors/{rank}"
+    return CallKeys.of(call, incarnation).monitor_heartbeat(rank)
 
 
 # Seats read at once while naming the ranks a barrier misses.
@@ -176,6 +176,7 @@ class RestartProtocol:
         self.initial_world_size = initial_world_size
         # Given the prefix, not self.key: no reference cycle, so that the connection
         # closes as soon as the protocol is dropped (tests count descriptors).
+        self.keys = CallKeys(self.prefix)
         self.terms = Terms(self.counted, self.prefix)
         self.seat_table = SeatTable(self.counted, self.prefix, seats_per_key)
         # The life of the seat this process holds (control/seats.py): 0 but for a process that joined.
@@ -202,10 +203,8 @@ class RestartProtocol:
     # -- keys ---------------------------------------------------------------
 
     def key(self, iteration: int, name: str) -> str:
-        return f"{self.prefix}{iteration}/{name}"
-
-    def job_key(self, name: str) -> str:
-        return f"{self.prefix}{name}"
+        """Iteration ``iteration``'s key ``name`` (:mod:`inprocess.control.keys`)."""
+        return self.keys.iteration(iteration, name)
 
     def seat_key(self, initial_rank: int) -> str:
         """The key that holds the rank's seat, and the others of its key (:mod:`inprocess.control.seat_table`)."""
@@ -656,14 +655,14 @@ class RestartProtocol:
     def finish_job(self, iteration: int) -> None:
         self.delete_iteration(iteration)
         self.delete_iteration(iteration - 1)
-        self._delete([self.job_key("topology")])
+        self._delete([self.keys.topology()])
         # Before "done", which ends the store host: the waiting joiners are told while it serves them.
         JoinKeys(self.counted, self.call, self.incarnation).end("the job ended")
-        self.counted.set(self.job_key("done"), "1")
+        self.counted.set(self.keys.done(), "1")
 
     def wait_done(self, timeout: Optional[float]) -> None:
-        self.counted.wait_key(self.job_key("done"), timeout, "the other ranks leaving")
-        self._delete([self.job_key("done")])
+        self.counted.wait_key(self.keys.done(), timeout, "the other ranks leaving")
+        self._delete([self.keys.done()])
 
     # -- topology -----------------------------------------------------------
 
@@ -675,11 +674,11 @@ class RestartProtocol:
         publishes their keys in one round trip, not K."""
         if entries:
             lines = "".join(json.dumps([rank, keys], separators=(",", ":")) + "\n" for rank, keys in entries)
-            self.counted.append(self.job_key("topology"), lines)
+            self.counted.append(self.keys.topology(), lines)
 
     def read_topology(self, initial_world_size: int) -> list[list[list[str]]]:
         """Per initial rank, the key lists it published (leader only, once per restart)."""
-        raw = (self.counted.peek(self.job_key("topology")) or b"").decode()
+        raw = (self.counted.peek(self.keys.topology()) or b"").decode()
         table: list[Optional[list[list[str]]]] = [None] * initial_world_size
         for line in raw.splitlines():
             if line:
@@ -692,12 +691,9 @@ class RestartProtocol:
 
     # -- cleanup --------------------------------------------------------------
 
-    _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left",
-                       "given_up")
-
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:
-            self._delete(self.key(iteration, name) for name in self._ITERATION_KEYS)
+            self._delete(self.key(iteration, name) for name in ITERATION_KEYS)
             self.terms.delete(iteration)
 
     def _delete(self, keys: Iterable[str]) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..exception import InternalError
+from .keys import CallKeys
 from .store_ops import CountingStore
 
 SEPARATOR = ","
@@ -61,12 +62,12 @@ Send = Callable[[list[tuple[str, str, str]]], Sequence[bytes]]
 
 def key(prefix: str, index: int) -> str:
     """The key of the ``index``-th run of seats of the call whose keys start with ``prefix``."""
-    return f"{prefix}seat/{index}"
+    return CallKeys(prefix).seat(index)
 
 
 def per_key_key(prefix: str) -> str:
     """Where the call's number of seats per key is agreed."""
-    return f"{prefix}seat/per_key"
+    return CallKeys(prefix).seats_per_key()
 
 
 def decode(name: str, value: str, per_key: int) -> list[str]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .. import _native
 from .. import store as store_mod
+from ..control import keys
 from ..control.host_names import numeric_host_names
 from ..control.incarnation import job_incarnation
 from ..control.node_link import NodeLayout, NodeLink, socket_name
@@ -40,7 +41,6 @@ from ..control.protocol import RestartProtocol, done_key
 from ..control.recovery_plan import Resource
 from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
-from ..processes import store_host
 from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig, rank_log_format
 from ..state import Mode, State
 from . import pg_tracker, sockets
@@ -206,7 +206,7 @@ class RankRuntime:
         self._store_sockets = sockets.new_since(before)  # this connection shows when its server is gone
         if store_mod.host_process(store) is not None:
             # The store host exits when this call is done: tell it which call that is.
-            store.set(store_host.CALL_KEY, str(self.call_index))
+            store.set(keys.STORE_HOST_CALL, str(self.call_index))
         return store
 
     def _open_node_link(self) -> Optional[NodeLink]:
@@ -337,7 +337,7 @@ class RankRuntime:
             self.events.emit(kind, t_ns, **fields)
 
     def user_prefix(self, iteration: int) -> str:
-        return f"{self.protocol.prefix}user/{iteration}/"
+        return self.protocol.keys.user_prefix(iteration)
 
     def delete_user_keys(self, iteration: int) -> None:
         """Delete the keys the function's own rendezvous wrote in ``iteration``."""

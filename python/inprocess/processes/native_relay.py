@@ -9,14 +9,15 @@ trips. :class:`inprocess._native.NodeRelay` runs each step (``forward``,
 store requests and the same board effects.
 
 The C++ code defines no key name and no seat value: :func:`relay_layout`
-computes them as templates by calling the protocol's own functions
-(:meth:`RestartProtocol.key`, :meth:`SeatTable.key <inprocess.control.seat_table.SeatTable.key>`,
-:meth:`RestartProtocol._seat_move`, :meth:`Terms.outcome_key`,
-:meth:`RestartProtocol._set_ready`) with marker numbers, and checks, each time
-it builds them, that the native expansion of every template gives what the
-Python function gives; a change to :mod:`inprocess.control.protocol` or
-:mod:`inprocess.control.seats` that the templates cannot follow raises
-instead of writing other keys.
+computes them as templates by calling the wire schema's key builders
+(:class:`inprocess.control.keys.CallKeys`: ``iteration``, ``seat``,
+``term_outcome``) and the protocol's own value functions
+(:meth:`RestartProtocol._seat_move`, :meth:`RestartProtocol._set_ready`) with
+marker numbers, and checks, each time it builds them, that the native
+expansion of every template gives what the Python function gives; a change to
+:mod:`inprocess.control.keys`, :mod:`inprocess.control.protocol` or
+:mod:`inprocess.control.seats` that the templates cannot follow raises instead
+of writing other keys.
 
 Where it differs from :class:`NodeRelay` over a ``TCPStoreClient``, on purpose
 or not yet:
@@ -43,6 +44,7 @@ from typing import Any, Callable, Optional
 
 from .. import _native
 from ..control import seat_table, store_ops
+from ..control.keys import CallKeys
 from ..control.leadership import LOST_MARK, parse_lost_mark
 from ..control.protocol import COMPLETE, RESTART, TERMINATED_UNIT, RestartProtocol
 from ..control.records import Decision
@@ -102,21 +104,22 @@ def relay_layout(p: RestartProtocol, seats_per_key: int = 1) -> dict[str, Any]:
         return _template(expected), _template(desired)
 
     moves = [[seat_moves(first, life0) for life0 in (False, True)] for first in (False, True)]
+    keys = CallKeys(p.prefix)
     return {
-        "arrivals": _template(p.key(_BARRIER, "arrivals")),
+        "arrivals": _template(keys.iteration(_BARRIER, "arrivals")),
         "ready": _template(ready_key),
         "ready_value": ready_value,
-        "event": _template(p.key(_BARRIER, "event")),
+        "event": _template(keys.iteration(_BARRIER, "event")),
         "restart": RESTART,
         "complete": COMPLETE,
-        "seat": _template(p.seat_table.key(_RANK)),  # {r}: the key's index
+        "seat": _template(keys.seat(_RANK)),  # {r}: the key's index
         "seats_per_key": seat_table.check_per_key(seats_per_key, "seats per key"),
         "seat_attempts": seat_table.attempts(seats_per_key),
         "seat_separator": seat_table.SEPARATOR,
         "seat_expected": [[m[0] for m in row] for row in moves],
         "seat_desired": [[m[1] for m in row] for row in moves],
-        "outcome_first": _template(p.terms.outcome_key(_BARRIER, 0)),
-        "outcome_later": _template(p.terms.outcome_key(_BARRIER, _TERM)),
+        "outcome_first": _template(keys.term_outcome(_BARRIER, 0)),
+        "outcome_later": _template(keys.term_outcome(_BARRIER, _TERM)),
         "lost_mark": LOST_MARK.decode(),
         "terminated_shift": TERMINATED_UNIT.bit_length() - 1,
     }
@@ -126,6 +129,7 @@ def check_layout(relay: Any, p: RestartProtocol) -> None:
     """Raise :class:`InternalError` unless ``relay`` (a native relay) expands every template as ``p`` computes it."""
     recorder = _Recorder()
     ready = RestartProtocol(recorder, p.call, incarnation=p.incarnation)
+    keys = CallKeys(p.prefix)
     wrong = []
 
     def same(name: str, native: str, python: str) -> None:
@@ -135,16 +139,16 @@ def check_layout(relay: Any, p: RestartProtocol) -> None:
     for b in _CHECK_BARRIERS:
         ready._set_ready(b)
         same(f"ready({b})", relay.expand("ready", b), recorder.sets[-1][0])
-        same(f"arrivals({b})", relay.expand("arrivals", b), p.key(b, "arrivals"))
-        same(f"event({b})", relay.expand("event", b), p.key(b, "event"))
+        same(f"arrivals({b})", relay.expand("arrivals", b), keys.iteration(b, "arrivals"))
+        same(f"event({b})", relay.expand("event", b), keys.iteration(b, "event"))
         for life in _CHECK_LIVES:
             expected, desired = RestartProtocol._seat_move(b, life)
             same(f"seat move({b}, life {life})", relay.expand("seat_expected", b, life=life), expected)
             same(f"seat move({b}, life {life})", relay.expand("seat_desired", b, life=life), desired)
         for t in _CHECK_TERMS:
-            same(f"outcome({b}, {t})", relay.expand("outcome", b, term=t), p.terms.outcome_key(b, t))
+            same(f"outcome({b}, {t})", relay.expand("outcome", b, term=t), keys.term_outcome(b, t))
     for index in (0, 1, 2047):
-        same(f"seat key({index})", relay.expand("seat", 0, rank=index), p.seat_table.key(index))
+        same(f"seat key({index})", relay.expand("seat", 0, rank=index), keys.seat(index))
     if wrong:
         more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         raise InternalError("the native relay's templates diverge from the protocol: " + "; ".join(wrong[:3]) + more)

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
+from ..control import keys
 from ..control.host_names import numeric_host_names
 from ..control.protocol import done_key, is_timeout, monitor_heartbeat_key
 from ..control.tcpstore_client import TCPStoreClient
@@ -47,7 +48,7 @@ from .contract import EXIT_OK, StopRequest, StoreHostConfig, run_helper, tell_fa
 
 log = logging.getLogger("inprocess.processes.store_host")
 
-CALL_KEY = "inprocess/store_host/call"
+CALL_KEY = keys.STORE_HOST_CALL
 EXIT_SERVER = 3
 
 

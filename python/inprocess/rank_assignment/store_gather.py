@@ -18,10 +18,9 @@ import itertools
 import json
 from typing import Any, Iterable, Optional
 
+from ..control import keys
 from ..control.incarnation import job_incarnation
 from ..exception import BarrierTimeout
-
-_PREFIX = "inprocess/rank_assignment"
 
 
 class StoreNamespace:
@@ -41,7 +40,7 @@ class StoreNamespace:
     def next_call(self) -> str:
         call = self.calls
         self.calls += 1
-        return f"{_PREFIX}/{self.name}/{call}"
+        return keys.rank_assignment_exchange(self.name, call)
 
 
 def exchange(
