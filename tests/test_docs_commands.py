@@ -1,4 +1,4 @@
-"""The runnable blocks of README.md and docs/*.md run as written, and show what the page says.
+"""The runnable blocks of the user's pages (README.md, docs/*.md) run as written, and show what the page says.
 
 A block marked ``<!-- docs: run; expect "..." -->`` (docs/development.md, "Checking the docs") runs
 in a fresh directory holding the page's ``file`` blocks and a link to ``examples/``, with this

@@ -1,4 +1,4 @@
-"""The user's pages (README.md and docs/*.md) hold together: every code block says what the
+"""The user's pages (README.md, docs/*.md and benchmarks/README.md) hold together: every code block says what the
 tests do with it, Python blocks compile, names and paths in code exist, links and anchors resolve,
 and the README stays a page for users.
 
@@ -20,9 +20,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-# Pages whose links are checked too, though their blocks are not (figures with their commands).
-LINKED_PAGES = [*PAGES, *sorted((ROOT / "benchmarks").glob("*.md"))]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+# Pages whose links are checked too, though their blocks are not (the benchmarks' detail pages).
+LINKED_PAGES = sorted({*PAGES, *(ROOT / "benchmarks").glob("*.md")})
 README_MAX_LINES = 350
 CHECKED_LANGUAGES = {"bash", "sh", "shell", "console", "python", "py"}
 RUNNABLE_LANGUAGES = {"bash", "python"}
