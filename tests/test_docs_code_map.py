@@ -58,6 +58,7 @@ def test_a_row_is_the_docstrings_first_sentence_in_markdown() -> None:
     assert code_map.first_sentence("Two lines\nof one sentence. Then.") == "Two lines of one sentence."
     assert code_map.first_sentence("Is it one job? The checks. Then.") == "Is it one job? The checks."
     assert code_map.first_sentence("Which GPU: e.g. the first. Then.") == "Which GPU: e.g. the first."
+    assert code_map.first_sentence("The loop; it reads::\n\n    a -> b\n") == "The loop; it reads"
     assert code_map.markdown("``x`` and :class:`~a.b.C` and :mod:`a.b`") == "`x` and `C` and `a.b`"
 
 

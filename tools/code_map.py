@@ -71,7 +71,8 @@ def first_sentence(doc: str) -> str:
     """The first sentence of the docstring's first paragraph, on one line."""
     paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
     match = re.search(r"(?<=\.)\s+(?=[A-Z`:(*])", paragraph)
-    return paragraph[: match.start()] if match else paragraph
+    sentence = paragraph[: match.start()] if match else paragraph
+    return sentence.rstrip(":")  # "... as follows::" introduces a literal block: the row ends before it
 
 
 def read_module(path: pathlib.Path, package: pathlib.Path = PACKAGE) -> Module:
