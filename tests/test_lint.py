@@ -14,8 +14,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# What the checks cover (the developers' guide: "ruff check python tests benchmarks examples" and "mypy").
-RUFF_PATHS = ["python", "tests", "benchmarks", "examples"]
+# What the checks cover (the developers' guide: "ruff check python tests benchmarks examples tools" and "mypy").
+RUFF_PATHS = ["python", "tests", "benchmarks", "examples", "tools"]
 
 
 def run_tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
