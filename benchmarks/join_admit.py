@@ -53,7 +53,7 @@ def measure(k: int, call: int, port: int) -> dict[str, Any]:
         ops = p.ops
         t = time.perf_counter()
         joined = joining.admit(keys, barrier, membership, CONFIG, seat_table=p.seat_table,
-                               publish_keys=p.publish_many_local_keys)
+                               publish_keys=p.topology.publish)
         elapsed = time.perf_counter() - t
         if barrier == 2 and len(joined) != k:
             raise RuntimeError(f"{len(joined)} of {k} joiners admitted")

@@ -26,7 +26,8 @@ from inprocess.compose import Compose
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import OUTCOME_DECIDED, NodeLink, socket_name
 from inprocess.control.protocol import RestartProtocol
-from inprocess.processes.contract import HelperProcess, NodeAgentConfig
+from inprocess.processes.contract import NodeAgentConfig
+from inprocess.processes.helper_process import HelperProcess
 from inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, decide
 
 

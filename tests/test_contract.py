@@ -23,12 +23,12 @@ from inprocess.processes.contract import (
     EXIT_USAGE,
     ConfigError,
     HelperConfig,
-    HelperProcess,
     MonitorConfig,
     NodeAgentConfig,
     StopRequest,
     StoreHostConfig,
 )
+from inprocess.processes.helper_process import HelperProcess
 
 pytestmark = pytest.mark.timeout(60)
 

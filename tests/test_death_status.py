@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from inprocess.processes import monitor
+from inprocess.processes import process_status
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,17 +24,17 @@ def test_a_rank_reaped_by_its_launcher_first_keeps_its_cause(how: str, described
     code = "import time; time.sleep(30)" if how == "kill" else "import os; os._exit(3)"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
-        start_time = monitor._start_time(child.pid)
+        start_time = process_status.start_time(child.pid)
         pidfd = os.pidfd_open(child.pid)
         if how == "kill":
             os.kill(child.pid, signal.SIGKILL)
         child.wait(10)  # the launcher reaps it: /proc/<pid> is gone before the monitor reads it
-        assert monitor._zombie_status(child.pid, start_time) is None
-        status = monitor._exit_status(child.pid, start_time, pidfd)
+        assert process_status.zombie_status(child.pid, start_time) is None
+        status = process_status.exit_status(child.pid, start_time, pidfd)
         if status is None:
             pytest.skip(f"this kernel ({os.uname().release}) keeps no exit status for a pidfd "
                         "(PIDFD_INFO_EXIT needs Linux 6.15)")
-        assert monitor._describe_status(status) == described
+        assert process_status.describe_status(status) == described
         os.close(pidfd)
     finally:
         if child.poll() is None:
@@ -43,5 +43,5 @@ def test_a_rank_reaped_by_its_launcher_first_keeps_its_cause(how: str, described
 
 
 def test_an_unreadable_status_says_so():
-    assert monitor._reaped_status(-1) is None
-    assert monitor._describe_status(None) == ("exited", "RankExited")
+    assert process_status.reaped_status(-1) is None
+    assert process_status.describe_status(None) == ("exited", "RankExited")

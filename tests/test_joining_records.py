@@ -34,7 +34,7 @@ def keys_of(p: RestartProtocol) -> JoinKeys:
 
 def admit(p: RestartProtocol, barrier: int, previous: Membership) -> list[tuple[int, int]]:
     return joining.admit(keys_of(p), barrier, previous, CONFIG, seat_table=p.seat_table,
-                         publish_keys=p.publish_many_local_keys)
+                         publish_keys=p.topology.publish)
 
 
 def shrunk(lost: list[int], n: int = 4) -> Membership:
@@ -186,7 +186,7 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_l
     for r in lost:
         keys.announce(Announcement(f"j{r}", r, "h", r, CONFIG, [[f"node-{r}"]]))
     calls = p.ops
-    joined = joining.admit(keys, 2, previous, CONFIG, seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
+    joined = joining.admit(keys, 2, previous, CONFIG, seat_table=p.seat_table, publish_keys=p.topology.publish)
     pipelined = store_kind == "tcp" and k >= joining.PIPELINE_FROM
     assert joined == [(r, 1) for r in lost]
     reads = 2 * -(-2 * k // joining.KEYS_PER_REQUEST)  # a check and a multi_get per 256 records and seats
@@ -199,7 +199,7 @@ def test_the_leaders_admission_of_k_joiners_costs_2k_plus_9_calls_and_the_next_l
     assert keys.waiting() == 0
     calls = p.ops
     assert joining.admit(keys, 3, previous.with_joined(joined), CONFIG, seat_table=p.seat_table,
-                         publish_keys=p.publish_many_local_keys) == []
+                         publish_keys=p.topology.publish) == []
     assert p.ops - calls == 2
 
 
@@ -232,7 +232,7 @@ def test_a_joiner_withdrawn_while_the_leaders_batched_admission_runs_is_not_admi
                                             datetime.timedelta(seconds=10)), 0)
     racing = WithdrawnMeanwhile(p.counted, lambda: keys_of(monitor).resolve("b", Outcome("gone", why="died")))
     joined = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_table=p.seat_table,
-                           publish_keys=p.publish_many_local_keys)
+                           publish_keys=p.topology.publish)
     # The withdrawal came first: b is gone, its seat was not moved, and d, which asked for the same
     # seat after b, waits for the next barrier. a and c are admitted.
     assert racing.withdrawn == Outcome("gone", why="died")
@@ -291,7 +291,7 @@ def test_two_live_leaders_of_one_barrier_never_admit_two_joiners_into_one_seat(
 
     racing = OtherLeaderMeanwhile(p.counted, leader_b)
     by_a = joining.admit(JoinKeys(racing, p.call, p.incarnation), 2, previous, CONFIG, seat_table=p.seat_table,
-                         publish_keys=p.publish_many_local_keys)
+                         publish_keys=p.topology.publish)
     by_b = racing.ran
     assert by_b == [(1, 1)] and p.read_seat(1) == "2@1"
     admitted = [t for t in ("j1", "j2") if (o := k.read_outcome(t)) is not None and o.kind == "admitted"]

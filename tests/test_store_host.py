@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from inprocess.control.protocol import done_key, monitor_heartbeat_key
 from inprocess.processes import contract, store_host
-from inprocess.processes.contract import HelperProcess, StoreHostConfig
+from inprocess.processes.contract import StoreHostConfig
+from inprocess.processes.helper_process import HelperProcess
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.multiprocess]
 
@@ -102,7 +103,8 @@ def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
     and exits after idle_timeout of silence: no server outlives the job."""
     starter = textwrap.dedent("""
         import os, sys
-        from inprocess.processes.contract import HelperProcess, StoreHostConfig
+        from inprocess.processes.contract import StoreHostConfig
+        from inprocess.processes.helper_process import HelperProcess
         config = StoreHostConfig(port=0, world_size=2, idle_timeout_s=1.5, parent_pid=os.getpid())
         host = HelperProcess.start(config, ready_timeout_s=120)
         print(host.pid, host.ready, flush=True)

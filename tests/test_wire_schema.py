@@ -151,7 +151,7 @@ def test_what_a_restart_with_a_joiner_sends_is_in_the_table(monkeypatch: pytest.
                 joined = []
                 if joins:
                     joined = admit(JoinKeys(p.counted, call, incarnation), i, previous, {"f": "x"},
-                                   seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
+                                   seat_table=p.seat_table, publish_keys=p.topology.publish)
                 d = decide(ra, seated(previous, joined), excluded, faults, i, leader)
                 d.joined = joined
                 return d

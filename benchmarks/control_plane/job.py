@@ -172,7 +172,7 @@ class SimJob:
             p = self.sims[leader].main
             t, calls = time.monotonic_ns(), p.ops
             joined = joining.admit(joining.JoinKeys(p.counted, p.call, p.incarnation), i + 1, previous, JOB_CONFIG,
-                                   seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
+                                   seat_table=p.seat_table, publish_keys=p.topology.publish)
             self.admit_ns[i] = time.monotonic_ns() - t
             self.admit_calls[i] = p.ops - calls
             decision = decide(self.assignment, previous.with_joined(joined) if joined else previous, dead, faults,

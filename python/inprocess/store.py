@@ -41,8 +41,9 @@ from .exception import BarrierError as BarrierError  # NVRx's names for a barrie
 from .exception import BarrierOverflow as BarrierOverflow
 from .exception import BarrierTimeout as BarrierTimeout
 from .processes import store_host
-from .processes.contract import HelperProcess, StoreHostConfig, rank_log_format
+from .processes.contract import StoreHostConfig, rank_log_format
 from .processes.forked import fork_helper
+from .processes.helper_process import HelperProcess
 
 log = logging.getLogger("inprocess")
 

@@ -21,7 +21,8 @@ import sys
 import time
 
 from inprocess import _native
-from inprocess.processes.contract import HelperProcess, MonitorConfig
+from inprocess.processes.contract import MonitorConfig
+from inprocess.processes.helper_process import HelperProcess
 
 plan = json.loads(sys.argv[1])
 page = _native.HeartbeatPage.create()

@@ -5,30 +5,24 @@ the job runs (a rank respawned on its node, a replacement node's process, one
 an operator adds) does not arrive at barrier 0. It *announces* itself and
 waits, monitored, on a key of its own until a leader resolves it:
 
-=======================  ====================================================
-``running``              (under ``inprocess/running/<call>``, without the
-                         incarnation) the incarnation of the job that runs
-                         this call; written by barrier 0's leader, so that a
-                         joiner of another incarnation is told so at once;
-                         ``ended:<incarnation>`` once that job ended
-``joiners``              announcements, JSON lines, appended by joiners
-``joiners.resolved``     ``settled:looked:barrier`` (:class:`ResolvedMark`):
-                         which leading lines need no look any more
-``joiner/<token>``       the joiner's record: ``pending`` from before its
-                         announcement on, then its outcome, written once
-                         (compare_set on ``pending``: the first writer wins;
-                         ``/w`` tags the writer, :class:`Outcome`):
-                         ``admitted/w:<b>:<seat>:<life>``, ``refused/w:<why>``,
-                         ``gone/w:<why>`` (the joiner, its monitor or, its
-                         node lost, a peer's monitor withdrew it) or
-                         ``closed/w:<why>`` (the job ended)
-``joiner/<token>/told``  the outcome again, for the waiting joiner: written
-                         by whoever resolved it on its behalf (a leader, the
-                         job's end, a peer's monitor), with one ``multi_set``
-                         for all of them
-``joiner/<token>/``      the value of its seat's heartbeat counter
-``watched``              (``monitors/<seat>``) at its monitor's first beat
-=======================  ====================================================
+Its keys are tabled in :mod:`inprocess.control.keys` (``running``, ``joiners``,
+``joiners.resolved``, ``joiner/<token>`` and its ``told`` and ``watched``). What
+they hold:
+
+* ``running``: the incarnation of the job that runs the call, written by
+  barrier 0's leader so that a joiner of another incarnation is told so at
+  once; ``ended:<incarnation>`` once that job ended;
+* ``joiners``: the announcements, JSON lines; ``joiners.resolved``:
+  ``settled:looked:barrier`` (:class:`ResolvedMark`), which leading lines need
+  no look any more;
+* ``joiner/<token>``: ``pending`` from before the announcement on, then the
+  outcome, written once (compare_set on ``pending``; ``/w`` tags the writer,
+  :class:`Outcome`): ``admitted/w:<b>:<seat>:<life>``, ``refused/w:<why>``,
+  ``gone/w:<why>`` (withdrawn by the joiner, its monitor or a peer's monitor)
+  or ``closed/w:<why>`` (the job ended); ``told``: the outcome again, for the
+  waiting joiner, written by whoever resolved it on its behalf (one
+  ``multi_set`` for all of them); ``watched``: the value of its seat's
+  heartbeat counter at its monitor's first beat.
 
 **Admission.** The leader of every restart barrier b > 0 reads the
 announcements it has not seen resolved before it runs the rank assignment. A
@@ -93,8 +87,6 @@ agent store) makes that lookup then. This module imports no torch.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -102,22 +94,33 @@ from typing import Any, Optional
 
 from ..exception import InternalError, TimeoutError
 from . import seats
+from .join_records import (
+    ADMITTED,
+    CLOSED,
+    ENDED,
+    GONE,
+    PENDING,
+    REFUSED,
+    Announcement,
+    Outcome,
+    ResolvedMark,
+    config_difference,
+)
 from .keys import CallKeys, running
 from .membership import TERMINATED, Membership
-from .records import HOST, MAX_MESSAGE, loads_strict
+from .records import HOST
 from .seat_table import SeatTable
 
 log = logging.getLogger("inprocess")
 
+# Keys per check, multi_get and multi_set. torch 2.13's libuv server takes time that grows faster
+# than the size of one request (measured here, one client, load 9: a multi_set of 4,096 keys and
+# an add ~0.5 s, the same keys in requests of 256 ~50 ms; a multi_get of 4,096 keys ~0.5 s, in
+# requests of 256 ~20-110 ms): requests stay at this size, as the compare_set batches do.
+KEYS_PER_REQUEST = 256
+
 JOIN_ENV = "INPROCESS_JOIN"
 
-ADMITTED = "admitted"
-REFUSED = "refused"
-GONE = "gone"
-CLOSED = "closed"
-_OUTCOMES = (ADMITTED, REFUSED, GONE, CLOSED)
-PENDING = "pending"  # a joiner's record from its announcement until somebody resolves it
-ENDED = "ended:"  # the value of ``running`` once the job ended: "ended:<incarnation>"
 
 
 def join_requested(env: Optional[dict[str, str]] = None) -> bool:
@@ -135,136 +138,6 @@ def running_key(call: int) -> str:
 
 def new_token() -> str:
     return f"{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Announcement:
-    """What a joiner says about itself (plain data)."""
-
-    token: str
-    seat: int  # the initial rank it asks for
-    host: str
-    pid: int
-    config: dict[str, str]  # what must equal the job's: see :func:`config_difference`
-    keys: Optional[list[list[str]]] = None  # its topology keys, for assignments that group ranks
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, line: str) -> "Announcement":
-        d = loads_strict(line)
-        if not isinstance(d, dict):
-            raise ValueError("expected a JSON object")
-        token, seat, host, pid, config = d["token"], d["seat"], d["host"], d["pid"], d["config"]
-        keys = d.get("keys")
-        if not isinstance(token, str) or not token or "/" in token:
-            raise ValueError(f"token={token!r:.80}")
-        if type(seat) is not int or type(pid) is not int or not isinstance(host, str):
-            raise ValueError("seat, pid: expected integers; host: a string")
-        if not isinstance(config, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in config.items()):
-            raise ValueError("config: expected an object of strings")
-        if keys is not None and not (isinstance(keys, list) and all(
-                isinstance(row, list) and all(isinstance(k, str) for k in row) for row in keys)):
-            raise ValueError("keys: expected lists of strings")
-        return cls(token, seat, host, pid, config, keys)
-
-
-def _writer_tag() -> str:
-    return secrets.token_hex(4)
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """A joiner's outcome, parsed.
-
-    ``by`` tags the write (``<kind>/<by>:...``, random per outcome made): the
-    compare_set that writes an outcome answers the value written both to the
-    writer that won and to another that wrote the same outcome (two live
-    leaders admitting the same joiner, two monitors withdrawing it), and only
-    the winner may count the joiner resolved. Outcomes compare without it.
-    """
-
-    kind: str  # one of ADMITTED, REFUSED, GONE, CLOSED
-    barrier: int = -1  # ADMITTED: the barrier whose decision admits it
-    seat: int = -1
-    life: int = 0
-    why: str = ""
-    by: str = dataclasses.field(default_factory=_writer_tag, compare=False)
-
-    def encode(self) -> str:
-        if self.kind == ADMITTED:
-            return f"{ADMITTED}/{self.by}:{self.barrier}:{self.seat}:{self.life}"
-        return f"{self.kind}/{self.by}:{self.why[:MAX_MESSAGE]}"
-
-    @classmethod
-    def parse(cls, value: str) -> Optional["Outcome"]:
-        """None for a pending joiner (:data:`PENDING`)."""
-        if value == PENDING:
-            return None
-        head, _, rest = value.partition(":")
-        kind, _, by = head.partition("/")
-        if kind not in _OUTCOMES:
-            raise InternalError(f"joiner outcome {value[:120]!r}: expected one of {', '.join(_OUTCOMES)}")
-        if kind != ADMITTED:
-            return cls(kind, why=rest, by=by)
-        try:
-            barrier, seat, life = (int(v) for v in rest.split(":"))
-        except ValueError:
-            raise InternalError(
-                f"joiner outcome {value[:120]!r}: expected admitted/<writer>:<barrier>:<seat>:<life>") from None
-        return cls(kind, barrier, seat, life, by=by)
-
-
-def config_difference(job: dict[str, str], joiner: dict[str, str]) -> Optional[str]:
-    """What makes a joiner unfit for the job, named; None when their configurations agree."""
-    for name in sorted(set(job) | set(joiner)):
-        mine, theirs = job.get(name), joiner.get(name)
-        if mine != theirs:
-            return f"{name} differs: the job has {mine!r}, this process has {theirs!r}"
-    return None
-
-
-# Keys per check, multi_get and multi_set. torch 2.13's libuv server takes time that grows faster
-# than the size of one request (measured here, one client, load 9: a multi_set of 4,096 keys and
-# an add ~0.5 s, the same keys in requests of 256 ~50 ms; a multi_get of 4,096 keys ~0.5 s, in
-# requests of 256 ~20-110 ms): requests stay at this size, as the compare_set batches do.
-KEYS_PER_REQUEST = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedMark:
-    """How far the announcements need no look any more (``joiners.resolved``: ``settled:looked:barrier``).
-
-    Lines before ``settled`` are resolved for good. Lines before ``looked``
-    are too once the decision of ``barrier`` is out: the ones in between are
-    admitted at ``barrier`` (or resolved for good), and a leader that takes
-    the lead of ``barrier`` over must list those admissions again. A leader
-    of a later barrier knows that decision is out, so it starts at
-    ``looked`` without reading them.
-    """
-
-    settled: int = 0
-    looked: int = 0
-    barrier: int = -1
-
-    def start(self, barrier: int) -> int:
-        """The first line a leader of ``barrier`` looks at."""
-        return self.looked if barrier > self.barrier else self.settled
-
-    def encode(self) -> str:
-        return f"{self.settled}:{self.looked}:{self.barrier}"
-
-    @classmethod
-    def parse(cls, value: str) -> "ResolvedMark":
-        try:
-            settled, looked, barrier = (int(v) for v in value.split(":"))
-        except ValueError:
-            raise InternalError(f"joiners.resolved {value[:80]!r}: expected <settled>:<looked>:<barrier>") from None
-        if not 0 <= settled <= looked:
-            raise InternalError(f"joiners.resolved {value[:80]!r}: expected 0 <= settled <= looked")
-        return cls(settled, looked, barrier)
 
 
 class JoinKeys:

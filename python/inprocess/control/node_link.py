@@ -72,6 +72,8 @@ BOARD_NEWS = 1  # NodeBoardLink.wait_news: a later decision or event is posted
 OUTCOME_LEAD = 1  # this rank leads the barrier
 OUTCOME_DECIDED = 2  # the barrier's decision is posted (or too large for the board: read it from the store)
 OUTCOME_REFUSED = 3  # the agent found this rank's seat taken: the rank looks at its seat itself
+# How often a wait on a node board looks whether the node agent is still there.
+NODE_POLL_S = 0.5
 
 
 class NodeBoardLink(Protocol):

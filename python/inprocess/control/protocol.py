@@ -6,35 +6,9 @@ number of faults, not with the world size), no rank reads a per-rank list,
 and nothing is polled. The same code drives the training ranks, the monitor
 processes and the control-plane simulator in ``benchmarks/``.
 
-Keys (all under ``inprocess/<call>/``, ``<call>`` counting the wrapped calls;
-under ``inprocess/<incarnation>/<call>/`` where a launcher names the job's
-incarnation, :mod:`inprocess.control.incarnation`):
-
-=====================  =====================================================
-``<i>/event``          "restart" or "complete": the first writer wins
-                       (compare_set); every rank blocks on it (wait)
-``<i>/faults``         fault records of iteration i (JSON lines, append)
-``<i>/completed``      counter of active ranks whose function returned
-``<i>/arrivals``       barrier i counter: +1 per healthy rank, +2**32 per rank
-                       arriving terminated (itself, or its monitor for it)
-``<i>/ready``          set by whoever completes the count of barrier i
-``<i>/terminated``     "r," per terminated initial rank (append)
-``<i>/decision``       the membership of iteration i (JSON, written once by
-                       compare_set), or a lost mark: its leader was lost first
-``<i>/decision.<t>``   the outcome of term t, after t leaders were lost, and
-``<i>/lead.<t>``       who leads term t: :mod:`inprocess.control.leadership`
-``<i>/left``           counter of ranks that left after completion
-``<i>/given_up``       counter of arrivals that stopped waiting for barrier i
-``seat/<g>``           the seats of initial ranks Kg..Kg+K-1, K agreed in
-``seat/per_key``       (:mod:`inprocess.control.seat_table`; K = 1 without
-                       node agents); rank r's seat: the last barrier it was
-                       counted at, "b" (counted itself, healthy) or
-                       "tb:<who>" (counted out at b, for good, by <who>);
-                       moved by compare_set only
-``monitors/<r>``       heartbeat counter of rank r's monitor process
-``topology``           per-rank keys for topology-aware assignments
-``done``               set when the last rank left; the store host waits for it
-=====================  =====================================================
+Its keys are built and tabled in :mod:`inprocess.control.keys` (all under the
+call's prefix: ``<i>/event``, ``<i>/arrivals``, ``<i>/decision``, ``seat/<g>``, ...);
+a rank's seat is the last barrier it was counted at (:mod:`inprocess.control.seats`).
 
 Seats make every rank count exactly once per barrier, whoever counts it: the
 rank itself, its monitor when it died, or a peer's monitor when it was lost.
@@ -79,20 +53,21 @@ store client. A store is anything with torch's Store methods.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Callable, Iterable, Optional
 
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
-from . import seats
+from . import board_arrival, seats
 from .counting_out import count_out
 from .joining import JoinKeys
 from .keys import ITERATION_KEYS, CallKeys, call_prefix
 from .leadership import Terms, decide_barrier, parse_lost_mark
-from .node_link import BOARD_TIMEOUT, OUTCOME_DECIDED, OUTCOME_LEAD, OUTCOME_REFUSED, NodeBoardLink
+from .node_link import NODE_POLL_S, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
 from .seat_table import SeatTable
+from .seats import SeatTaken
 from .store_ops import CountingStore, Deadline, is_timeout, wait_in_chunks
+from .topology_keys import TopologyKeys
 
 __all__ = [
     "COMPLETE", "HOST", "MAX_FAULTS_IN_DECISION", "MAX_MESSAGE", "NODE_POLL_S", "RESTART", "TERMINATED_UNIT",
@@ -104,8 +79,6 @@ RESTART = "restart"
 COMPLETE = "complete"
 TERMINATED_UNIT = 1 << 32
 COUNT_MASK = TERMINATED_UNIT - 1
-# How often a wait on a node board looks whether the node agent is still there.
-NODE_POLL_S = 0.5
 
 log = logging.getLogger("inprocess")
 
@@ -132,9 +105,6 @@ def _waits_for(seat: Optional[str], barrier: int) -> bool:
     return not parsed.counted_out and parsed.barrier == barrier - 1
 
 
-class SeatTaken(Exception):
-    """This rank was counted out of the job by another process (its monitor, or
-    a peer's monitor that declared it lost): it must leave without counting."""
 
 
 
@@ -179,6 +149,7 @@ class RestartProtocol:
         self.keys = CallKeys(self.prefix)
         self.terms = Terms(self.counted, self.prefix)
         self.seat_table = SeatTable(self.counted, self.prefix, seats_per_key)
+        self.topology = TopologyKeys(self.counted, self.keys)
         # The life of the seat this process holds (control/seats.py): 0 but for a process that joined.
         self.life = 0
         # While a decide function runs here: the term it decides (0: the barrier's first leader,
@@ -449,9 +420,9 @@ class RestartProtocol:
         """Barrier ``iteration``'s decision as the node agent posted it, if it is the board's latest
         (not too large for it, not a lost mark); None otherwise: then it is read from the store."""
         posted = self.link.read_decision() if self.link is not None and self.link.alive() else None
-        return self._posted_decision(posted, iteration)
+        return self.posted_decision(posted, iteration)
 
-    def _posted_decision(self, posted: Optional[tuple[int, Optional[bytes]]], iteration: int) -> Optional[Decision]:
+    def posted_decision(self, posted: Optional[tuple[int, Optional[bytes]]], iteration: int) -> Optional[Decision]:
         """``posted`` (the board's latest decision) if it is barrier ``iteration``'s decision itself."""
         if posted is None or posted[0] != iteration or posted[1] is None or parse_lost_mark(posted[1]) is not None:
             return None
@@ -518,7 +489,7 @@ class RestartProtocol:
     ) -> Optional[Decision]:
         link = self.link
         if (link is not None and not terminated and not seat_taken and link.alive()
-                and not self._replaced(link, iteration)):
+                and not board_arrival.replaced(link, iteration)):
             self.post_arrival(iteration, initial_rank, expected)
             return self.await_outcome(iteration, initial_rank, expected, decide=decide, timeout=timeout)
         healthy, dead, complete = self.arrive(
@@ -576,74 +547,15 @@ class RestartProtocol:
             self._set_ready(iteration)
         return healthy, dead, complete
 
-    def _require_link(self) -> NodeBoardLink:
-        if self.link is None:
-            raise InternalError("a barrier through the node board needs a node link; this protocol has none")
-        return self.link
-
     def post_arrival(self, iteration: int, initial_rank: int, expected: int) -> None:
-        """A healthy arrival through the node agent, first half: the arrival
-        and the rank's seat on the board; the agent takes the seat in the
-        store with the node's others and forwards the arrival."""
-        self._require_link().post_arrival(iteration, expected, initial_rank, self.life)
-
-    @staticmethod
-    def _replaced(link: NodeBoardLink, iteration: int) -> bool:
-        """Whether this rank's slot holds an arrival at a later barrier than ``iteration``: a process
-        that joined into its seat posted it (this one was counted out, and is late). Its arrival must
-        not take the slot back; at the store, its seat tells it that it was counted out."""
-        later = link.posted() > iteration
-        if later:
-            log.info("barrier %d: node board slot %d holds an arrival at barrier %d: this process was replaced, "
-                     "it arrives at the store", iteration, link.slot, link.posted())
-        return later
+        """A healthy arrival through the node agent, first half (:mod:`inprocess.control.board_arrival`)."""
+        board_arrival.post_arrival(self, iteration, initial_rank, expected)
 
     def await_outcome(
         self, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = None, timeout: float
     ) -> Decision:
-        """Second half: the board names this rank the leader, or holds the
-        decision. If the agent goes away meanwhile, the rank counts itself
-        directly unless the agent had forwarded its arrival."""
-        link = self._require_link()
-        deadline = Deadline(timeout)
-
-        def attempt(seconds: float) -> Optional[int]:
-            outcome = link.wait_outcome(iteration, seconds)
-            if outcome == BOARD_TIMEOUT and link.posted() < iteration:
-                # The process this one replaced (counted out, late) posted an older arrival over this
-                # one's before the agent read it: posted again. The agent forwards a slot's barrier once.
-                self.post_arrival(iteration, initial_rank, expected)
-            return outcome if outcome in (OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED) else None
-
-        outcome = attempt(0.0)  # posted already: no chunked wait to set up
-        if outcome is None:
-            outcome = wait_in_chunks(attempt, deadline, f"barrier {iteration} decision", "node board",
-                                     chunk_s=NODE_POLL_S, go_on=link.alive)
-        if outcome == OUTCOME_LEAD:
-            return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=True)
-        if outcome == OUTCOME_DECIDED:
-            decision = self._posted_decision(link.read_decision(), iteration)
-            if decision is not None:
-                return decision
-            # Too large for the board, or a lost mark: the terms are followed at the store.
-            return decide_barrier(self, iteration, initial_rank, expected, decide, deadline)
-        # The agent refused the seat, or is gone before it counted this rank.
-        if outcome == OUTCOME_REFUSED or link.forwarded() < iteration:
-            return self._arrive_directly(iteration, initial_rank, expected, decide, deadline)
-        leads = link.leads() == iteration
-        return decide_barrier(self, iteration, initial_rank, expected, decide, deadline, lead=leads)
-
-    def _arrive_directly(
-        self, iteration: int, initial_rank: int, expected: int, decide: Optional[DecideFn], deadline: Deadline
-    ) -> Decision:
-        """Count this rank at the store itself: its seat first (the agent may have
-        taken it already, which the compare_set answers as taken), then the barrier."""
-        if not self.take_seat(iteration, initial_rank):
-            raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
-        remaining = max(deadline.remaining() or 0.0, 0.0)
-        decision = self.barrier(iteration, initial_rank, expected, decide=decide, timeout=remaining, seat_taken=True)
-        assert decision is not None  # a healthy arrival always returns the decision
-        return decision
+        """Second half: the decision (:mod:`inprocess.control.board_arrival`)."""
+        return board_arrival.await_outcome(self, iteration, initial_rank, expected, decide=decide, timeout=timeout)
 
     # -- leaving --------------------------------------------------------------
 
@@ -663,31 +575,6 @@ class RestartProtocol:
     def wait_done(self, timeout: Optional[float]) -> None:
         self.counted.wait_key(self.keys.done(), timeout, "the other ranks leaving")
         self._delete([self.keys.done()])
-
-    # -- topology -----------------------------------------------------------
-
-    def publish_local_keys(self, initial_rank: int, keys: list[list[str]]) -> None:
-        self.publish_many_local_keys([(initial_rank, keys)])
-
-    def publish_many_local_keys(self, entries: list[tuple[int, list[list[str]]]]) -> None:
-        """Each (initial rank, key lists) of ``entries`` in one append: a leader admitting K joiners
-        publishes their keys in one round trip, not K."""
-        if entries:
-            lines = "".join(json.dumps([rank, keys], separators=(",", ":")) + "\n" for rank, keys in entries)
-            self.counted.append(self.keys.topology(), lines)
-
-    def read_topology(self, initial_world_size: int) -> list[list[list[str]]]:
-        """Per initial rank, the key lists it published (leader only, once per restart)."""
-        raw = (self.counted.peek(self.keys.topology()) or b"").decode()
-        table: list[Optional[list[list[str]]]] = [None] * initial_world_size
-        for line in raw.splitlines():
-            if line:
-                rank, keys = json.loads(line)
-                table[int(rank)] = keys
-        missing = [r for r, k in enumerate(table) if k is None]
-        if missing:
-            raise InternalError(f"topology keys missing for initial ranks {missing[:16]}")
-        return table  # type: ignore[return-value]
 
     # -- cleanup --------------------------------------------------------------
 

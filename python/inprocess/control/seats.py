@@ -83,3 +83,8 @@ def parse(value: str) -> Seat:
         return Seat(int(text), life)
     except ValueError:
         raise InternalError(f"seat value {value!r}: expected 'b', 't<b>:<who>', either with '@<life>'") from None
+
+
+class SeatTaken(Exception):
+    """This rank was counted out of the job by another process (its monitor, or
+    a peer's monitor that declared it lost): it must leave without counting."""

@@ -127,7 +127,7 @@ class Recovery:
                 return False
         else:
             if keys is not None:
-                self.runtime.protocol.publish_local_keys(s.initial_rank, keys)
+                self.runtime.protocol.topology.publish([(s.initial_rank, keys)])
             decision = self._barrier(0, s.initial_world_size)
         self.storm.started(decision.host, decision.t_ns)
         self._carry_out(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
@@ -287,7 +287,7 @@ class Recovery:
                 join_keys.name_running_incarnation()  # a joiner of another incarnation is told so
             else:
                 joined = joining.admit(join_keys, self.state.iteration + 1, self.membership, self.job_config,
-                                       seat_table=p.seat_table, publish_keys=p.publish_many_local_keys)
+                                       seat_table=p.seat_table, publish_keys=p.topology.publish)
             decision = self.assignment.decide(
                 self._seated(self.membership, joined), dead, faults, leader, state=self.state,
                 read_topology=self._read_topology, takeover=p.lead_term > 0,
@@ -296,7 +296,7 @@ class Recovery:
             return decision
 
     def _read_topology(self) -> list[list[list[str]]]:
-        return self.runtime.protocol.read_topology(self.state.initial_world_size)
+        return self.runtime.protocol.topology.read(self.state.initial_world_size)
 
     # -- door 3: out of the job ---------------------------------------------------------
 

@@ -41,7 +41,8 @@ from ..control.protocol import RestartProtocol, done_key
 from ..control.recovery_plan import Resource
 from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
-from ..processes.contract import HelperProcess, MonitorConfig, NodeAgentConfig, rank_log_format
+from ..processes.contract import MonitorConfig, NodeAgentConfig, rank_log_format
+from ..processes.helper_process import HelperProcess
 from ..state import Mode, State
 from . import pg_tracker, sockets
 from .config import Settings

@@ -38,7 +38,8 @@ import signal
 import subprocess
 from typing import Any, Callable, Optional, TypeVar
 
-from .contract import EXIT_INTERNAL, HelperConfig, HelperProcess, StopRequest, leave, serve_config
+from .contract import EXIT_INTERNAL, HelperConfig, StopRequest, leave, serve_config
+from .helper_process import HelperProcess
 
 Config = TypeVar("Config", bound=HelperConfig)
 
