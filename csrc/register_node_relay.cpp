@@ -20,28 +20,58 @@ namespace inprocess::bindings {
 
 namespace {
 
-// The errors are the Python package's own classes, so that callers catch the
-// same exceptions as with the Python client and relay. Looked up when raised:
-// importing the package while this module loads would be a cycle.
-[[noreturn]] void raise_python(const char* module, const char* name, const char* message) {
-  py::object cls = py::module_::import(module).attr(name);
+// The errors are the Python package's own classes, handed down once by
+// inprocess.control.store_errors (set_error_classes), so that callers catch the same
+// exceptions as with the Python client and relay. This module names no module of the
+// package. Until they are handed down, the built-in classes they derive from are raised.
+struct ErrorClasses {
+  py::handle timeout = PyExc_TimeoutError;
+  py::handle closed = PyExc_ConnectionError;
+  py::handle protocol = PyExc_RuntimeError;
+  py::handle overflow = PyExc_RuntimeError;
+  py::handle cancelled = PyExc_TimeoutError;
+};
+
+ErrorClasses& error_classes() {
+  static ErrorClasses classes;  // references held for the process's life, as pybind11's own exception types
+  return classes;
+}
+
+void set_error_classes(const py::type& timeout, const py::type& closed, const py::type& protocol,
+                       const py::type& overflow, const py::type& cancelled) {
+  for (const py::type* cls : {&timeout, &closed, &protocol, &overflow, &cancelled}) {
+    if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls->ptr()),
+                          reinterpret_cast<PyTypeObject*>(PyExc_Exception))) {
+      throw py::type_error("set_error_classes: " + py::repr(*cls).cast<std::string>() + " is not an Exception class");
+    }
+  }
+  ErrorClasses& c = error_classes();
+  c.timeout = timeout.inc_ref();
+  c.closed = closed.inc_ref();
+  c.protocol = protocol.inc_ref();
+  c.overflow = overflow.inc_ref();
+  c.cancelled = cancelled.inc_ref();
+}
+
+[[noreturn]] void raise_python(py::handle cls, const char* message) {
   PyErr_SetString(cls.ptr(), message);
   throw py::error_already_set();
 }
 
 void translate(std::exception_ptr p) {
+  const ErrorClasses& c = error_classes();
   try {
     if (p) std::rethrow_exception(p);
   } catch (const StoreTimeout& e) {
-    raise_python("inprocess.control.tcpstore_client", "StoreTimeoutError", e.what());
+    raise_python(c.timeout, e.what());
   } catch (const StoreClosed& e) {
-    raise_python("inprocess.control.tcpstore_client", "StoreConnectionError", e.what());
+    raise_python(c.closed, e.what());
   } catch (const StoreProtocolViolation& e) {
-    raise_python("inprocess.control.tcpstore_client", "StoreProtocolError", e.what());
+    raise_python(c.protocol, e.what());
   } catch (const RelayOverflow& e) {
-    raise_python("inprocess.exception", "BarrierOverflow", e.what());
+    raise_python(c.overflow, e.what());
   } catch (const RelayCancelled& e) {
-    raise_python("inprocess.exception", "TimeoutError", e.what());
+    raise_python(c.cancelled, e.what());
   }
 }
 
@@ -82,6 +112,10 @@ NodeRelay::Cancelled cancel_check(const py::object& cancelled) {
 
 void register_node_relay(py::module_& m) {
   py::register_exception_translator(&translate);
+  m.def("set_error_classes", &set_error_classes, py::arg("timeout"), py::arg("closed"), py::arg("protocol"),
+        py::arg("overflow"), py::arg("cancelled"),
+        "The Python classes the store connection and the relay raise (inprocess.control.store_errors hands them "
+        "down once).");
 
   py::class_<StoreConnection>(m, "StoreConnection",
                               "A connection to a torch TCPStore server in C++: the wire of "

@@ -6,6 +6,9 @@ from __future__ import annotations
 import ast
 import enum
 import inspect
+import pathlib
+import re
+import socket
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -119,3 +122,23 @@ def test_version_has_one_source() -> None:
     assert _native.__version__ == expected, "the extension was built from another pyproject.toml version"
     assert inprocess.__version__ == expected
     assert metadata.version("inprocess") == expected
+
+
+def test_the_bindings_name_no_module_of_the_package() -> None:
+    """The native module sits below the package: it imports none of its modules (the errors it raises
+    are handed down once by inprocess.control: control/store_errors.py)."""
+    csrc = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+    imports = [f"{p.name}:{n}" for p in sorted(csrc.rglob("*.cpp")) for n, line in
+               enumerate(p.read_text().splitlines(), 1) if re.search(r'import\(\s*"inprocess', line)]
+    assert imports == []
+
+
+def test_the_native_errors_are_the_packages_own() -> None:
+    from inprocess.control.store_errors import StoreConnectionError
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()  # nothing listens there now
+    with pytest.raises(StoreConnectionError, match=f"127.0.0.1:{free}"):
+        _native.StoreConnection("127.0.0.1", free, timeout=1.0, connect_timeout=0.5, retry_refused=False)

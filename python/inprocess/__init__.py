@@ -48,7 +48,7 @@ _LAZY_ATTRIBUTES = {
     "RestartRecord": "call_wrapper",
     "ShardedState": "peer_state",
     "Wrapper": "wrap",
-    "current_call": "call_wrapper",
+    "current_call": "calls",
 }
 _LAZY_MODULES = (
     "abort",

@@ -176,8 +176,12 @@ class NodeBoard:
     def wait_news(self, decision_after: int, event_after: int, timeout_s: float) -> int: ...
 
 # The node agent's relay without the GIL (processes/native_relay.py). Errors are the
-# package's own: StoreTimeoutError, StoreConnectionError, StoreProtocolError
-# (control/tcpstore_client.py), BarrierOverflow and TimeoutError (exception.py).
+# package's own, handed down once by control/store_errors.py: StoreTimeoutError,
+# StoreConnectionError, StoreProtocolError, BarrierOverflow and TimeoutError (exception.py).
+
+def set_error_classes(
+    timeout: type, closed: type, protocol: type, overflow: type, cancelled: type
+) -> None: ...
 
 class StoreConnection:
     def __init__(

@@ -2,12 +2,10 @@
 
 A monitor process needs the job's coordination store, which is the server of
 ``torch.distributed.TCPStore``; importing torch to reach it would cost a
-monitor ~200 MB. :class:`TCPStoreClient` speaks the server's wire protocol over
-a plain socket and offers the Store methods the restart engine uses (see
-:mod:`inprocess.control.protocol`). Values written by torch's client are read by this
-one and the other way round: both address the same keys.
-
-The wire protocol is described in :mod:`inprocess.control.tcpstore_wire`.
+monitor ~200 MB. :class:`TCPStoreClient` speaks the server's wire protocol
+(:mod:`inprocess.control.tcpstore_wire`) over a plain socket and offers the
+Store methods the restart engine uses (:mod:`inprocess.control.protocol`).
+Torch's client and this one read each other's values: they address the same keys.
 
 Deadlines (design principle 7): every blocking socket call is bounded. The
 socket blocks with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` set to ``timeout`` (one
@@ -53,53 +51,19 @@ import threading
 import time
 from typing import Optional, Sequence, Union
 
-from .tcpstore_wire import (
-    ADD,
-    APPEND,
-    CANCEL_WAIT,
-    CHECK,
-    CHECK_NOT_READY,
-    CHECK_READY,
-    DELETE_KEY,
-    GET,
-    GETNUMKEYS,
-    I64,
-    I64_MAX,
-    I64_MIN,
-    KEY_PREFIX,
-    MAX_KEY_BYTES,
-    MAX_KEYS_PER_REQUEST,
-    MAX_VALUE_BYTES,
-    MULTI_GET,
-    MULTI_SET,
-    PING,
-    SET,
-    STOP_WAITING,
-    U32,
-    U64,
-    VALIDATE,
-    VALIDATION_MAGIC,
-    WAIT,
-    WAIT_CANCELED,
-    Value,
-    encode_compare_set,
-    encode_key,
-    encode_key_list,
-    encode_string,
-    encode_value,
+from . import tcpstore_wire as wire
+from .store_errors import (
+    StoreConnectionError,
+    StoreError,
+    StoreHandshakeClosedError,
+    StoreProtocolError,
+    StoreTimeoutError,
 )
+from .tcpstore_wire import KEY_PREFIX, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST, MAX_VALUE_BYTES, Value
 
 __all__ = [
-    "KEY_PREFIX",
-    "MAX_KEY_BYTES",
-    "MAX_KEYS_PER_REQUEST",
-    "MAX_VALUE_BYTES",
-    "PIPELINE_BATCH",
-    "StoreConnectionError",
-    "StoreError",
-    "StoreHandshakeClosedError",
-    "StoreProtocolError",
-    "StoreTimeoutError",
+    "KEY_PREFIX", "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_VALUE_BYTES", "PIPELINE_BATCH",
+    "StoreConnectionError", "StoreError", "StoreHandshakeClosedError", "StoreProtocolError", "StoreTimeoutError",
     "TCPStoreClient",
 ]
 
@@ -113,27 +77,6 @@ _RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED}  # nobody listens there (any more)
 
 Timeout = Union[datetime.timedelta, float, int]
-
-
-class StoreError(Exception):
-    """Base class of the errors of :class:`TCPStoreClient`."""
-
-
-class StoreTimeoutError(StoreError, builtins.TimeoutError):
-    """A wait (or a reply) did not come within its timeout."""
-
-
-class StoreConnectionError(StoreError, ConnectionError):
-    """The connection to the store server could not be opened, was lost or was closed."""
-
-
-class StoreHandshakeClosedError(StoreConnectionError):
-    """The server closed or reset the connection before it answered the handshake:
-    what a server that is going away does (not a silent listener: that times out)."""
-
-
-class StoreProtocolError(StoreError):
-    """The peer answered something torch's TCPStore server never sends."""
 
 
 def _seconds(value: Optional[Timeout], name: str) -> float:
@@ -215,7 +158,7 @@ class TCPStoreClient:
         return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout, self._retry_refused)
 
     def set(self, key: str, value: Value) -> None:
-        request = bytes((SET,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
+        request = wire.encode_key_value(wire.SET, key, value)
         self._run("set", key, self._timeout, self._send, request)
 
     def get(self, key: str) -> bytes:
@@ -230,9 +173,9 @@ class TCPStoreClient:
         to look around needs no ``set_timeout`` (two system calls) per wait.
         """
         seconds = _seconds(timeout, "timeout")
-        key_bytes = encode_string(encode_key(key))
-        wait = bytes((WAIT,)) + U64.pack(1) + key_bytes
-        request = bytes((GET,)) + key_bytes
+        key_bytes = wire.encode_string(wire.encode_key(key))
+        wait = bytes((wire.WAIT,)) + wire.U64.pack(1) + key_bytes
+        request = bytes((wire.GET,)) + key_bytes
 
         def body(deadline: float) -> bytes:
             self._wait_exchange(wait, deadline, "get", key)
@@ -245,19 +188,19 @@ class TCPStoreClient:
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer stored at ``key`` (0 when missing); returns the sum."""
         given: object = amount  # checked at run time: callers are not all type-checked
-        if not isinstance(given, int) or isinstance(given, bool) or not I64_MIN <= given <= I64_MAX:
+        if not isinstance(given, int) or isinstance(given, bool) or not wire.I64_MIN <= given <= wire.I64_MAX:
             raise ValueError(f"add() takes a 64-bit signed integer, got {amount!r}")
-        request = bytes((ADD,)) + encode_string(encode_key(key)) + I64.pack(amount)
+        request = bytes((wire.ADD,)) + wire.encode_string(wire.encode_key(key)) + wire.I64.pack(amount)
         return self._run("add", key, self._timeout, self._request_i64, request)
 
     def append(self, key: str, value: Value) -> None:
         """Append ``value`` to the value of ``key`` (creating it when missing)."""
-        request = bytes((APPEND,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
+        request = wire.encode_key_value(wire.APPEND, key, value)
         self._run("append", key, self._timeout, self._send, request)
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (see :mod:`.tcpstore_wire` for a missing key)."""
-        request = encode_compare_set(key, expected, desired)
+        request = wire.encode_compare_set(key, expected, desired)
         return self._run("compare_set", key, self._timeout, self._request_vector, request)
 
     def compare_set_many(self, items: Sequence[tuple[str, Value, Value]]) -> list[bytes]:
@@ -272,7 +215,7 @@ class TCPStoreClient:
         blocking sends (torch's legacy backend) and stops reading while this
         client's receive buffer is full cannot leave a batch half sent.
         """
-        requests = [encode_compare_set(key, expected, desired) for key, expected, desired in items]
+        requests = [wire.encode_compare_set(key, expected, desired) for key, expected, desired in items]
 
         def body(deadline: float) -> list[bytes]:
             out: list[bytes] = []
@@ -286,15 +229,15 @@ class TCPStoreClient:
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists, without waiting."""
-        _, packed = encode_key_list(keys, "check")
-        request = bytes((CHECK,)) + packed
+        _, packed = wire.encode_key_list(keys, "check")
+        request = bytes((wire.CHECK,)) + packed
 
         def body(deadline: float) -> bool:
             self._send(request, deadline)
             answer = self._recv_exact(1, deadline)[0]
-            if answer == CHECK_READY:
+            if answer == wire.CHECK_READY:
                 return True
-            if answer == CHECK_NOT_READY:
+            if answer == wire.CHECK_NOT_READY:
                 return False
             raise StoreProtocolError(f"check: unexpected answer {answer} from {self.address}")
 
@@ -307,24 +250,24 @@ class TCPStoreClient:
         when the keys are set: nothing is polled over the network.
         """
         seconds = self._timeout if timeout is None else _seconds(timeout, "timeout")
-        keys, packed = encode_key_list(keys, "wait")
-        request = bytes((WAIT,)) + packed
+        keys, packed = wire.encode_key_list(keys, "wait")
+        request = bytes((wire.WAIT,)) + packed
         self._run("wait", keys, seconds, lambda deadline: self._wait_exchange(request, deadline, "wait", keys))
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
-        request = bytes((DELETE_KEY,)) + encode_string(encode_key(key))
+        request = bytes((wire.DELETE_KEY,)) + wire.encode_string(wire.encode_key(key))
         return self._run("delete_key", key, self._timeout, self._request_i64, request) == 1
 
     def num_keys(self) -> int:
         """The number of keys on the server (all of them, whoever wrote them)."""
-        return self._run("num_keys", None, self._timeout, self._request_i64, bytes((GETNUMKEYS,)))
+        return self._run("num_keys", None, self._timeout, self._request_i64, bytes((wire.GETNUMKEYS,)))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting for all of them up to the store timeout (like torch)."""
-        keys, packed = encode_key_list(keys, "multi_get")
-        wait = bytes((WAIT,)) + packed
-        request = bytes((MULTI_GET,)) + packed
+        keys, packed = wire.encode_key_list(keys, "multi_get")
+        wait = bytes((wire.WAIT,)) + packed
+        request = bytes((wire.MULTI_GET,)) + packed
 
         def body(deadline: float) -> list[bytes]:
             self._wait_exchange(wait, deadline, "multi_get", keys)
@@ -335,14 +278,14 @@ class TCPStoreClient:
         return self._run("multi_get", keys, self._timeout, body)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        keys, _ = encode_key_list(keys, "multi_set")
+        keys, _ = wire.encode_key_list(keys, "multi_set")
         values = list(values)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        parts = [bytes((MULTI_SET,)), U64.pack(len(keys))]
+        parts = [bytes((wire.MULTI_SET,)), wire.U64.pack(len(keys))]
         for key, value in zip(keys, values, strict=True):
-            parts.append(encode_string(encode_key(key)))
-            parts.append(encode_string(encode_value(value)))
+            parts.append(wire.encode_string(wire.encode_key(key)))
+            parts.append(wire.encode_string(wire.encode_value(value)))
         self._run("multi_set", keys, self._timeout, self._send, b"".join(parts))
 
     def ping(self) -> float:
@@ -351,8 +294,8 @@ class TCPStoreClient:
 
         def body(deadline: float) -> float:
             start = time.monotonic()
-            self._send(bytes((PING,)) + U32.pack(nonce), deadline)
-            echoed = U32.unpack(self._recv_exact(4, deadline))[0]
+            self._send(bytes((wire.PING,)) + wire.U32.pack(nonce), deadline)
+            echoed = wire.U32.unpack(self._recv_exact(4, deadline))[0]
             if echoed != nonce:
                 raise StoreProtocolError(f"ping: {self.address} echoed {echoed:#x} for nonce {nonce:#x}")
             return time.monotonic() - start
@@ -428,7 +371,8 @@ class TCPStoreClient:
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         nonce = (os.getpid() ^ int.from_bytes(os.urandom(4), "little")) & 0xFFFFFFFF
-        hello = bytes((VALIDATE,)) + U32.pack(VALIDATION_MAGIC) + bytes((PING,)) + U32.pack(nonce)
+        hello = (bytes((wire.VALIDATE,)) + wire.U32.pack(wire.VALIDATION_MAGIC) + bytes((wire.PING,))
+                 + wire.U32.pack(nonce))
         reply = b""
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -449,7 +393,7 @@ class TCPStoreClient:
                 f"the store server at {self.address} did not complete the handshake within "
                 f"{self._connect_timeout:g}s: {e} (is a torch TCPStore server listening there?)"
             ) from e
-        echoed = U32.unpack(reply)[0]
+        echoed = wire.U32.unpack(reply)[0]
         if echoed != nonce:
             raise StoreProtocolError(
                 f"{self.address} answered the handshake with {echoed:#x} instead of {nonce:#x}: "
@@ -566,7 +510,7 @@ class TCPStoreClient:
         )
 
     def _recv_vector(self, deadline: float) -> bytes:
-        size = U64.unpack(self._recv_exact(8, deadline))[0]
+        size = wire.U64.unpack(self._recv_exact(8, deadline))[0]
         if size > MAX_VALUE_BYTES * 64:
             raise StoreProtocolError(f"a reply of {size} bytes from {self.address}: not a torch TCPStore server?")
         return self._recv_exact(size, deadline) if size else b""
@@ -579,7 +523,7 @@ class TCPStoreClient:
         while len(out) < count:
             have = len(buf) - pos
             if have >= 8:
-                size = U64.unpack_from(buf, pos)[0]
+                size = wire.U64.unpack_from(buf, pos)[0]
                 if size > _RECV_CHUNK:  # a large value: read the general way (which checks its size)
                     del buf[:pos]
                     pos = 0
@@ -608,26 +552,26 @@ class TCPStoreClient:
 
     def _request_i64(self, request: bytes, deadline: float) -> int:
         self._send(request, deadline)
-        return I64.unpack(self._recv_exact(8, deadline))[0]
+        return wire.I64.unpack(self._recv_exact(8, deadline))[0]
 
     def _wait_exchange(self, request: bytes, deadline: float, op: str, key: object) -> None:
         """Send WAIT and read STOP_WAITING; past the deadline, cancel and raise _WaitTimedOut."""
         timeout = max(deadline - time.monotonic(), 0.0)
         self._send(request, time.monotonic() + self._timeout)
         answer = self._recv_wait_answer(deadline)
-        if answer == STOP_WAITING:
+        if answer == wire.STOP_WAITING:
             return
         if answer is not None:
             raise StoreProtocolError(f"{_describe(op, key)}: unexpected wait answer {answer} from {self.address}")
-        # Timed out: cancel on the server. A STOP_WAITING sent before the
+        # Timed out: cancel on the server. A wire.STOP_WAITING sent before the
         # server saw the cancel arrives first; the keys exist then.
         cancel_deadline = time.monotonic() + self._timeout
-        self._send(bytes((CANCEL_WAIT,)), cancel_deadline)
+        self._send(bytes((wire.CANCEL_WAIT,)), cancel_deadline)
         answer = self._recv_exact(1, cancel_deadline)[0]
-        woke = answer == STOP_WAITING
+        woke = answer == wire.STOP_WAITING
         if woke:
             answer = self._recv_exact(1, cancel_deadline)[0]
-        if answer != WAIT_CANCELED:
+        if answer != wire.WAIT_CANCELED:
             raise StoreProtocolError(f"{_describe(op, key)}: expected WAIT_CANCELED from {self.address}, got {answer}")
         if not woke:
             raise _WaitTimedOut(

@@ -112,6 +112,11 @@ def encode_string(raw: bytes) -> bytes:
     return U64.pack(len(raw)) + raw
 
 
+def encode_key_value(command: int, key: str, value: Value) -> bytes:
+    """One request of a key and a value (SET, APPEND)."""
+    return bytes((command,)) + encode_string(encode_key(key)) + encode_string(encode_value(value))
+
+
 def encode_compare_set(key: str, expected: Value, desired: Value) -> bytes:
     """One COMPARE_SET request (a node agent sends a node's seats as a batch of these)."""
     k, e, d = encode_key(key), encode_value(expected), encode_value(desired)
