@@ -109,5 +109,5 @@ def _arrive_directly(
         raise SeatTaken(f"initial rank {initial_rank} was counted out of barrier {iteration} by another process")
     remaining = max(deadline.remaining() or 0.0, 0.0)
     decision = p.barrier(iteration, initial_rank, expected, decide=decide, timeout=remaining, seat_taken=True)
-    assert decision is not None  # a healthy arrival always returns the decision
+    assert isinstance(decision, Decision)  # a healthy arrival always returns the decision
     return decision

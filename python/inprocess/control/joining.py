@@ -224,7 +224,7 @@ class JoinKeys:
         """Joiners announced and not resolved yet: two counter reads (a grow's look, engine/grow.py)."""
         announced = self.counted.add(self.keys.joiners_announced(), 0)
         # Never below 0: a joiner that died between its record and its counter was resolved, not counted.
-        return max(0, announced - self.counted.add(self.resolved_count_key, 0))
+        return max(0, int(announced) - int(self.counted.add(self.resolved_count_key, 0)))
 
     def resolve(self, token: str, outcome: Outcome) -> Outcome:
         """Write ``outcome`` unless the joiner was resolved already; returns the outcome that holds.

@@ -49,7 +49,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 from . import tcpstore_wire as wire
 from .store_errors import (
@@ -77,6 +77,7 @@ _RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED}  # nobody listens there (any more)
 
 Timeout = Union[datetime.timedelta, float, int]
+_T = TypeVar("_T")
 
 
 def _seconds(value: Optional[Timeout], name: str) -> float:
@@ -417,7 +418,7 @@ class TCPStoreClient:
 
     # -- one exchange -----------------------------------------------------------------
 
-    def _run(self, op: str, key: object, seconds: float, body, *args):  # type: ignore[no-untyped-def]
+    def _run(self, op: str, key: object, seconds: float, body: Callable[..., _T], *args: Any) -> _T:
         """Run ``body(*args, deadline)`` alone on the connection.
 
         Any failure inside leaves the stream in an unknown state: the
@@ -552,7 +553,7 @@ class TCPStoreClient:
 
     def _request_i64(self, request: bytes, deadline: float) -> int:
         self._send(request, deadline)
-        return wire.I64.unpack(self._recv_exact(8, deadline))[0]
+        return int(wire.I64.unpack(self._recv_exact(8, deadline))[0])
 
     def _wait_exchange(self, request: bytes, deadline: float, op: str, key: object) -> None:
         """Send WAIT and read STOP_WAITING; past the deadline, cancel and raise _WaitTimedOut."""

@@ -191,7 +191,8 @@ def check_kwargs(name: str, value: Any) -> dict[str, Any]:
 def check_factory(name: str, value: Any) -> Callable[..., Any]:
     if not callable(value):
         raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a store class or factory")
-    return value
+    factory: Callable[..., Any] = value
+    return factory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ import time
 from typing import Any, Callable, Optional
 
 from ..control import seats
-from ..control.joining import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, JoinKeys, Outcome
+from ..control.join_records import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, Outcome
+from ..control.joining import JoinKeys
 from ..control.leadership import parse_lost_mark
 from ..control.node_link import BOARD_CLOSED, BOARD_NEWS, NodeBoardLink
 from ..control.protocol import Decision, RestartProtocol

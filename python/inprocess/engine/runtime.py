@@ -27,6 +27,7 @@ import os
 import select
 import sys
 import time
+import typing
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -208,7 +209,7 @@ class RankRuntime:
         if store_mod.host_process(store) is not None:
             # The store host exits when this call is done: tell it which call that is.
             store.set(keys.STORE_HOST_CALL, str(self.call_index))
-        return store
+        return typing.cast(dist.Store, store)  # whatever store_factory made: used as a torch Store
 
     def _open_node_link(self) -> Optional[NodeLink]:
         """This node's agent (local rank 0 starts it), or None: the store directly."""

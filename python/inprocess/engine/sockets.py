@@ -170,7 +170,7 @@ def unsent_bytes(fd: int) -> int:
     """Bytes written to the socket and not sent yet, because the peer's window is full
     (SIOCOUTQNSD; bytes sent and waiting for a possibly delayed ACK do not count)."""
     try:
-        return struct.unpack("i", fcntl.ioctl(fd, _SIOCOUTQNSD, b"\0\0\0\0"))[0]
+        return int(struct.unpack("i", fcntl.ioctl(fd, _SIOCOUTQNSD, b"\0\0\0\0"))[0])
     except OSError:
         return 0
 
@@ -178,7 +178,7 @@ def unsent_bytes(fd: int) -> int:
 def unread_bytes(fd: int) -> int:
     """Bytes received and not yet read (SIOCINQ)."""
     try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
     except OSError:
         return 0
 

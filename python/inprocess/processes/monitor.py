@@ -49,7 +49,8 @@ from typing import Any, NoReturn, Optional, Sequence
 from .. import _native
 from ..control import phases, seats
 from ..control.counting_out import members_at
-from ..control.joining import ADMITTED, GONE, JoinKeys, Outcome
+from ..control.join_records import ADMITTED, GONE, Outcome
+from ..control.joining import JoinKeys
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
 from ..control.tcpstore_client import StoreConnectionError, TCPStoreClient
 from .contract import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, MonitorConfig, StopRequest, run_helper
