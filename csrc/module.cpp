@@ -17,6 +17,8 @@ PYBIND11_MODULE(_native, m) {
   b::register_host_names(m);
   b::register_killer(m);
   b::register_node_board(m);
+  b::register_store_connection(m);
+  b::register_relay_layout(m);
   b::register_node_relay(m);
   b::register_watchdog(m);
   b::register_gpu(m);
