@@ -19,6 +19,7 @@ from conftest import assert_excluded
 from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control import seats
+from inprocess.control.counting_out import count_out
 from inprocess.control.membership import ACTIVE, Membership
 from inprocess.control.node_link import OUTCOME_REFUSED, NodeLayout, NodeLink, socket_name
 from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol, SeatTaken
@@ -311,7 +312,7 @@ def test_a_leader_named_by_its_agent_and_lost_is_replaced_by_a_rank_at_the_store
                 for r in (0, 1, 3)]
     monitor = RestartProtocol(TCPStoreClient("127.0.0.1", t.server.port, timeout=10))
     fault = FaultRecord(2, 0, "killed", "SIGKILL", "rank 2 died leading barrier 1")
-    assert monitor.count_out(2, lambda i: fault, lambda b: 4, timeout=10, who="m2") == 1
+    assert count_out(monitor, 2, lambda i: fault, lambda b: 4, timeout=10, who="m2") == 1
     for thread in threads:
         thread.join(15)
     decisions = [got[f"rank {r}"] for r in (0, 1, 3)]

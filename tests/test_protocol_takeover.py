@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from inprocess.compose import Compose
 from inprocess.control import seat_table
+from inprocess.control.counting_out import count_out
 from inprocess.control.leadership import LOST_MARK, lost_mark, parse_lost_mark
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import TERMINATED_UNIT, Decision, FaultRecord, RestartProtocol
@@ -101,7 +102,7 @@ class Job:
         def fault(iteration: int) -> FaultRecord:
             return FaultRecord(rank, iteration, "killed", "SIGKILL", f"rank {rank} died in the barrier")
 
-        return monitor.count_out(rank, fault, lambda b: self.n, timeout=10, who=f"m{rank}")
+        return count_out(monitor, rank, fault, lambda b: self.n, timeout=10, who=f"m{rank}")
 
     def arrivals(self, barrier: int) -> int:
         return int(self.server.add(self.protocol(self.server).key(barrier, "arrivals"), 0))

@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from inprocess.control import seat_table
+from inprocess.control.counting_out import count_out
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import Decision, FaultRecord, RestartProtocol
 
@@ -61,13 +62,13 @@ def test_two_claimants_of_one_seat_count_it_once(second: str) -> None:
 
     def second_claimant() -> None:
         if second == "monitor":  # the monitor of rank 3 declares rank 2 lost, start to end
-            assert other.count_out(lost, fault, lambda b: n, timeout=10, who="m3") == 1
+            assert count_out(other, lost, fault, lambda b: n, timeout=10, who="m3") == 1
         else:  # rank 2 itself leaves, counting itself out of barrier 1
             assert other.barrier(1, lost, n, terminated=True, timeout=10) is None
 
     # The monitor of rank 0 reads the seat ("0"); before it claims it, the other claimant wins.
     first = RestartProtocol(RaceOnSeat(client(), second_claimant))
-    assert first.count_out(lost, fault, lambda b: n, timeout=10, who="m0") is None
+    assert count_out(first, lost, fault, lambda b: n, timeout=10, who="m0") is None
     arrivals = server.add(first.key(1, "arrivals"), 0)
     assert (arrivals & 0xFFFFFFFF, arrivals >> 32) == (0, 1), "rank 2 was counted out more than once"
     assert RestartProtocol(server).read_seat(lost) == ("t1:m3" if second == "monitor" else "t1:self")

@@ -294,11 +294,8 @@ class NvmlHealthCheck(_GpuCheck):
         return state
 
 
-class ChainedGPUHealthCheck(_GpuCheck):
-    """NVRx's GPU check: fails when the driver reports a recovery action for
-    this GPU (reset, node reboot, drain; NVML's GPU recovery action field,
-    driver 570 or later), or the GPU fell off the bus. Unavailable on older
-    drivers."""
+class _ChainedCheck(_GpuCheck):
+    """NVRx's chained checks' keywords: the device first, then the deadline (10 s by default)."""
 
     def __init__(
         self,
@@ -307,6 +304,13 @@ class ChainedGPUHealthCheck(_GpuCheck):
         on_unavailable: str = "skip",
     ):
         super().__init__(timeout, device_index, on_unavailable)
+
+
+class ChainedGPUHealthCheck(_ChainedCheck):
+    """NVRx's GPU check: fails when the driver reports a recovery action for
+    this GPU (reset, node reboot, drain; NVML's GPU recovery action field,
+    driver 570 or later), or the GPU fell off the bus. Unavailable on older
+    drivers."""
 
     def __call__(self, state: FrozenState) -> FrozenState:
         report, reason = self._nvml_report()
@@ -322,20 +326,13 @@ class ChainedGPUHealthCheck(_GpuCheck):
         return state
 
 
-class ChainedNVLHealthCheck(_GpuCheck):
+class ChainedNVLHealthCheck(_ChainedCheck):
     """NVRx's NVLink check: the NVLinks of this GPU that were active when the
     check was first run (its baseline) must still be active. Where NVRx only
     logs a failure, this one raises ``GpuUnhealthy``; wrap it to ignore it.
     Unavailable on a GPU without NVLink."""
 
-    def __init__(
-        self,
-        device_index: Optional[int] = None,
-        timeout: datetime.timedelta = datetime.timedelta(seconds=10),
-        on_unavailable: str = "skip",
-    ):
-        super().__init__(timeout, device_index, on_unavailable)
-        self.baseline: Optional[List[int]] = None
+    baseline: Optional[List[int]] = None  # the links active at the first run
 
     def __call__(self, state: FrozenState) -> FrozenState:
         report, reason = self._nvml_report()

@@ -58,7 +58,6 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
 from . import board_arrival, seats
-from .counting_out import count_out
 from .joining import JoinKeys
 from .keys import ITERATION_KEYS, CallKeys, call_prefix
 from .leadership import Terms, decide_barrier, parse_lost_mark
@@ -318,21 +317,6 @@ class RestartProtocol:
         """The seat's value, or None if the rank never arrived anywhere."""
         return self.seat_table.read(initial_rank)
 
-    def count_out(
-        self,
-        initial_rank: int,
-        fault: Callable[[int], FaultRecord],
-        expected_at: Callable[[int], Optional[int]],
-        *,
-        timeout: float,
-        who: str,
-        in_barrier: bool = True,
-        life: Optional[int] = None,
-    ) -> Optional[int]:
-        """Count ``initial_rank`` out of the job on its behalf: :func:`inprocess.control.counting_out.count_out`."""
-        return count_out(self, initial_rank, fault, expected_at, timeout=timeout, who=who, in_barrier=in_barrier,
-                         life=life)
-
     # -- barrier ------------------------------------------------------------
 
     def arrive(
@@ -454,8 +438,7 @@ class RestartProtocol:
         rank whose node agent went away after its seat).
         """
         try:
-            return self._barrier(iteration, initial_rank, expected, terminated=terminated, decide=decide,
-                                 timeout=timeout, seat_taken=seat_taken)
+            return self._barrier(iteration, initial_rank, expected, terminated, decide, timeout, seat_taken)
         except TimeoutError as e:
             if terminated:
                 raise
@@ -476,17 +459,8 @@ class RestartProtocol:
         except Exception as e:  # the store is gone: nothing left to end
             log.debug("barrier %d: could not give up: %s", iteration, e)
 
-    def _barrier(
-        self,
-        iteration: int,
-        initial_rank: int,
-        expected: int,
-        *,
-        terminated: bool = False,
-        decide: Optional[DecideFn] = None,
-        timeout: float,
-        seat_taken: bool = False,
-    ) -> Optional[Decision]:
+    def _barrier(self, iteration: int, initial_rank: int, expected: int, terminated: bool,
+                 decide: Optional[DecideFn], timeout: float, seat_taken: bool) -> Optional[Decision]:
         link = self.link
         if (link is not None and not terminated and not seat_taken and link.alive()
                 and not board_arrival.replaced(link, iteration)):

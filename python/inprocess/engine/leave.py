@@ -9,7 +9,7 @@ import traceback
 from types import FrameType
 from typing import Optional
 
-from ..control.counting_out import members_at
+from ..control.counting_out import count_out, members_at
 from ..control.protocol import FaultRecord, RestartProtocol
 from ..exception import exception_chain
 from ..exits import EXIT_CODE_UNRELEASABLE, exit_now
@@ -104,7 +104,7 @@ def count_out_before_joining(p: RestartProtocol, s: State, kind: str, exc: BaseE
     """A rank leaving before it applied its first decision is counted out where its seat
     says, as its monitor counts out a rank that died there (barrier 0 if it had not
     arrived), so that nobody waits for it."""
-    p.count_out(s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc),
+    count_out(p, s.initial_rank, lambda i: FaultRecord.from_exception(s.initial_rank, i, kind, exc),
                 members_at(p, s.initial_rank, s.initial_world_size, timeout), timeout=timeout,
                 who=f"r{s.initial_rank}")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
 
 from .. import _native
 
@@ -43,19 +43,24 @@ def _cached(kind: str, path: str, opener: Callable[[], Library]) -> Tuple[Option
         return _cache[key]
 
 
-def cuda_driver() -> Tuple[Optional[_native.CudaDriver], str]:
-    path = os.environ.get("INPROCESS_LIBCUDA", "")
-    library, reason = _cached("cuda", path, lambda: _native.CudaDriver.open(path))
-    assert library is None or isinstance(library, _native.CudaDriver)
+_Opened = TypeVar("_Opened", _native.CudaDriver, _native.CurrentDevice, _native.NvmlLibrary)
+
+
+def _opened(kind: str, variable: str, cls: type[_Opened]) -> Tuple[Optional[_Opened], str]:
+    """The library of ``cls`` at the path ``variable`` names (its default where unset), opened once."""
+    path = os.environ.get(variable, "")
+    library, reason = _cached(kind, path, lambda: cls.open(path))
+    assert library is None or isinstance(library, cls)
     return library, reason
+
+
+def cuda_driver() -> Tuple[Optional[_native.CudaDriver], str]:
+    return _opened("cuda", "INPROCESS_LIBCUDA", _native.CudaDriver)
 
 
 def current_device() -> Tuple[Optional[_native.CurrentDevice], str]:
     """The driver calls that make a device current on a thread (the NCCL abort's)."""
-    path = os.environ.get("INPROCESS_LIBCUDA", "")
-    library, reason = _cached("current_device", path, lambda: _native.CurrentDevice.open(path))
-    assert library is None or isinstance(library, _native.CurrentDevice)
-    return library, reason
+    return _opened("current_device", "INPROCESS_LIBCUDA", _native.CurrentDevice)
 
 
 def torch_nccl_version() -> Optional[Tuple[int, int, int]]:
@@ -77,10 +82,7 @@ def version_tuple(code: int) -> Tuple[int, int, int]:
 
 
 def nvml() -> Tuple[Optional[_native.NvmlLibrary], str]:
-    path = os.environ.get("INPROCESS_LIBNVML", "")
-    library, reason = _cached("nvml", path, lambda: _native.NvmlLibrary.open(path))
-    assert library is None or isinstance(library, _native.NvmlLibrary)
-    return library, reason
+    return _opened("nvml", "INPROCESS_LIBNVML", _native.NvmlLibrary)
 
 
 def nccl() -> Tuple[Optional[_native.NcclLibrary], str]:

@@ -258,7 +258,17 @@ class HelperConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MonitorConfig(HelperConfig):
+class StoreClientConfig(HelperConfig):
+    """A helper that talks to the job's store: where the server is, and which call's keys are its."""
+
+    store_host: str = option("TCPStore server host", NOT_EMPTY)
+    store_port: int = option("TCPStore server port", within(1, 65535))
+    call: int = option("wrapped call index (key prefix)", NON_NEGATIVE)
+    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MonitorConfig(StoreClientConfig):
     module: ClassVar[str] = "inprocess.processes.monitor"
     script: ClassVar[str] = "inprocess-monitor"
     summary: ClassVar[str] = ("Watch one rank of an inprocess job: record its death in the store, "
@@ -268,10 +278,6 @@ class MonitorConfig(HelperConfig):
     ignored_signals: ClassVar[frozenset[signal.Signals]] = frozenset({_INT})
     inherited_fds: ClassVar[tuple[str, ...]] = ("heartbeat_fd",)
 
-    store_host: str = option("TCPStore server host", NOT_EMPTY)
-    store_port: int = option("TCPStore server port", within(1, 65535))
-    call: int = option("wrapped call index (key prefix)", NON_NEGATIVE)
-    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
     rank: int = option("initial rank of the watched rank", NON_NEGATIVE)
     heartbeat_fd: int = option("inherited descriptor of the rank's heartbeat page", NON_NEGATIVE)
     pid: int = option("pid of the rank process", POSITIVE)
@@ -319,15 +325,11 @@ class StoreHostConfig(HelperConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NodeAgentConfig(HelperConfig):
+class NodeAgentConfig(StoreClientConfig):
     module: ClassVar[str] = "inprocess.processes.node_agent"
     script: ClassVar[str] = "inprocess-node-agent"
     summary: ClassVar[str] = "Carry the restart protocol's store traffic for the ranks of one node."
 
-    store_host: str = option("TCPStore server host", NOT_EMPTY)
-    store_port: int = option("TCPStore server port", within(1, 65535))
-    call: int = option("wrapped call index (key prefix)", NON_NEGATIVE)
-    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
     node: str = option("this node's name (names the agent's socket)", NOT_EMPTY)
     slots: int = option("ranks on this node (LOCAL_WORLD_SIZE)", POSITIVE)
     store_timeout_s: float = option("deadline of every store operation", POSITIVE)

@@ -48,7 +48,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from .. import _native
 from ..control import phases, seats
-from ..control.counting_out import members_at
+from ..control.counting_out import count_out, members_at
 from ..control.join_records import ADMITTED, GONE, Outcome
 from ..control.joining import JoinKeys
 from ..control.protocol import FaultRecord, RestartProtocol, monitor_heartbeat_key
@@ -497,8 +497,8 @@ class Monitor:
         expected_at = members_at(protocol, rank, world_size, self.args.barrier_timeout_s)
 
         try:
-            barrier = protocol.count_out(
-                rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}",
+            barrier = count_out(
+                protocol, rank, fault, expected_at, timeout=self.args.barrier_timeout_s, who=f"m{self.args.rank}",
                 in_barrier=in_barrier, life=life,
             )
         finally:

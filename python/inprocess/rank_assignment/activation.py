@@ -60,7 +60,23 @@ class ActivateAllRanks(JobAssignment, RankFilter):
         return ctx
 
 
-class MaxActiveWorldSize(JobAssignment, RankFilter):
+class _ActiveSize(JobAssignment, RankFilter):
+    """The ranks below an active world size are active, the others spares; the size is the
+    subclass's (:meth:`_size`, from the previous active world size and the world size)."""
+
+    def _size(self, previous: Optional[int], world_size: int) -> int:
+        raise NotImplementedError
+
+    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
+        return _activate_below(ctx, self._size(ctx.active_world_size, ctx.membership.world_size))
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        state = ctx.state
+        ctx.state = _state_below(state, self._size(state.active_world_size, state.world_size))
+        return ctx
+
+
+class MaxActiveWorldSize(_ActiveSize):
     """At most ``max_active_world_size`` active ranks (no limit if None).
 
     The active world size is the previous one (the world size before the
@@ -79,16 +95,8 @@ class MaxActiveWorldSize(JobAssignment, RankFilter):
         size = _bounded(previous, world_size)
         return size if self.max_active_world_size is None else min(size, self.max_active_world_size)
 
-    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
-        return _activate_below(ctx, self._size(ctx.active_world_size, ctx.membership.world_size))
 
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        state = ctx.state
-        ctx.state = _state_below(state, self._size(state.active_world_size, state.world_size))
-        return ctx
-
-
-class ActiveWorldSizeDivisibleBy(JobAssignment, RankFilter):
+class ActiveWorldSizeDivisibleBy(_ActiveSize):
     """The active world size rounded down to a multiple of ``divisor``.
 
     It starts from the previous active world size (the world size before the
@@ -106,11 +114,3 @@ class ActiveWorldSizeDivisibleBy(JobAssignment, RankFilter):
     def _size(self, previous: Optional[int], world_size: int) -> int:
         size = _bounded(previous, world_size)
         return size - size % self.divisor
-
-    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
-        return _activate_below(ctx, self._size(ctx.active_world_size, ctx.membership.world_size))
-
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        state = ctx.state
-        ctx.state = _state_below(state, self._size(state.active_world_size, state.world_size))
-        return ctx

@@ -7,9 +7,8 @@ from typing import Callable, Optional, Union
 
 from ..control.membership import TERMINATED
 from ..state import FrozenState, State
-from .agreed import current as current_agreed
 from .base import JobAssignmentCtx, RankAssignmentCtx
-from .job import JobAssignment, job_step_for_rank
+from .job import JobAssignment
 from .keys import KeyOrFn, check_key_or_fn, check_keys, evaluate_key, topology_keys
 from .store_gather import StoreNamespace, exchange
 
@@ -78,11 +77,6 @@ class FilterCountGroupedByKey(JobAssignment):
         failing = self._failing(counts)
         ctx.terminated_ranks = leaving | {r for r in staying if failing[group[r]]}
         return ctx
-
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        if current_agreed() is not None:
-            return job_step_for_rank(self, ctx)
-        return self._call_through_store(ctx)
 
     def _call_through_store(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         """As there: the ranks not leaving exchange their keys through ``ctx.store`` and count."""

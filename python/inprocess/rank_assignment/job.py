@@ -41,6 +41,13 @@ class JobAssignment(RankAssignment):
         raise NotImplementedError
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        if current_agreed() is None:
+            return self._call_through_store(ctx)
+        return job_step_for_rank(self, ctx)
+
+    def _call_through_store(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        """Called per rank outside the Wrapper (no agreed inputs): an assignment that can gather what
+        it needs through ``ctx.store`` overrides this; by default a TypeError that says so."""
         return job_step_for_rank(self, ctx)
 
 

@@ -25,10 +25,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..exception import RankDiscarded
 from ..state import FrozenState, State
-from .agreed import current as current_agreed
 from .agreed import describe_row, row_of, table_row
 from .base import JobAssignmentCtx, RankAssignmentCtx, Topology, is_int
-from .job import JobAssignment, job_step_for_rank, rank_view
+from .job import JobAssignment, rank_view
 from .keys import check_keys, evaluate_key, topology_keys
 from .layers import Layer
 from .store_gather import StoreNamespace, exchange
@@ -122,11 +121,6 @@ class Tree(JobAssignment):
         number_spares(st, m)
         ctx.active_world_size = m.active_world_size
         return ctx
-
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        if current_agreed() is not None:
-            return job_step_for_rank(self, ctx)
-        return self._call_through_store(ctx)
 
     def _call_through_store(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         """Outside the Wrapper, as there: the first call gathers every rank's state and keys
