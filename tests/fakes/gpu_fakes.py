@@ -60,14 +60,14 @@ def skip_where_torch_loaded_nccl() -> None:
     libnccl.so.2). The fake libnccl cannot stand in beside it: inprocess
     refuses to load a second NCCL (issue 18, item 9), which is right on a GPU
     machine. These tests need a CPU build of torch, as CI has; on a GPU machine
-    the acceptance command's GPU part tests the real library instead."""
+    the acceptance command's GPU part (tools/gpu_acceptance.py) tests the real library instead."""
     from inprocess import _native
 
     found = _native.NcclLibrary.find_loaded()
     if found is not None:
         pytest.skip(f"torch loaded its own NCCL ({found.path}): the fake libnccl cannot be loaded beside it "
                     "(inprocess refuses a second NCCL); run with a CPU build of torch, as CI does; the GPU part "
-                    "of `python -m inprocess.gpu.acceptance` tests the real one")
+                    "of `python tools/gpu_acceptance.py` tests the real one")
 
 
 def build_fakes() -> Fakes:

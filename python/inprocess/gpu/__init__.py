@@ -10,9 +10,10 @@ the native extension's dlopen layer (no CUDA at build time, design principle 6).
 - :mod:`.nccl_abort`: releasing torch's NCCL communicators within a deadline;
 - :mod:`.flight_recorder`: dumping torch's NCCL flight recorder before an abort;
 - :mod:`.settings`: the torch/NCCL environment an in-process restart needs,
-  and the one warning when the running configuration contradicts it;
-- :mod:`.acceptance`: ``python -m inprocess.gpu.acceptance``, the first
-  command to run on a GPU machine.
+  and the one warning when the running configuration contradicts it.
+
+The first command to run on a GPU machine is a checkout's ``tools/gpu_acceptance.py``
+(it runs the checkout's GPU tests and jobs of its own).
 
 The health checks built on them are in :mod:`inprocess.health_check`.
 """

@@ -1,4 +1,4 @@
-"""``python -m inprocess.gpu.acceptance``: the first command to run on a
+"""``python tools/gpu_acceptance.py``, from a checkout: the first command to run on a
 machine with NVIDIA GPUs.
 
 It runs what has never met a GPU where the project was written:
@@ -38,6 +38,10 @@ import time
 import xml.etree.ElementTree as ElementTree
 from typing import Any, Dict, List, Optional, Sequence
 
+# This file, and the checkout it belongs to (its tests, its python/ source). It is no part of the installed
+# package: it runs the checkout's tests and starts jobs of its own.
+THIS = pathlib.Path(__file__).resolve()
+CHECKOUT = THIS.parents[1]
 # The tests of the GPU layer on its fakes (the no-GPU part).
 FAKE_TESTS = (
     "tests/test_cuda_driver.py",
@@ -97,7 +101,7 @@ def environment() -> Dict[str, Any]:
     except ImportError:
         found["torch"] = "not installed"
         found["gpus"] = 0
-    from . import libraries
+    from inprocess.gpu import libraries
 
     driver, reason = libraries.cuda_driver()
     if driver is None:
@@ -123,7 +127,7 @@ def _checkout(tests: Optional[str]) -> Optional[pathlib.Path]:
     if tests:
         folder = pathlib.Path(tests).resolve()
         return folder.parent if (folder / "conftest.py").exists() else None
-    for root in (pathlib.Path(__file__).resolve().parents[3], pathlib.Path.cwd()):  # python/inprocess/gpu/
+    for root in (CHECKOUT, pathlib.Path.cwd()):
         if (root / "tests" / "conftest.py").exists():
             return root
     return None
@@ -137,7 +141,7 @@ def run_pytest(label: str, root: pathlib.Path, targets: Sequence[str], marker: s
     cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", "-m", marker,
            f"--junitxml={xml}"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pathlib.Path(__file__).resolve().parents[2]),
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
                                                      env.get("PYTHONPATH", "")) if p)
     started = time.monotonic()
     try:
@@ -176,9 +180,9 @@ def _free_port() -> int:
 
 def _torchrun(check: str, nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "inprocess.gpu.acceptance", "--worker", check]
+           f"--master-port={_free_port()}", str(THIS), "--worker", check]
     full = dict(os.environ, **env)
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(pathlib.Path(__file__).resolve().parents[2]),
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
                                                       full.get("PYTHONPATH", "")) if p)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
 
@@ -238,14 +242,14 @@ def sticky_error_check() -> Result:
     started = time.monotonic()
     env = dict(os.environ, **README_SETTINGS, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pathlib.Path(__file__).resolve().parents[2]),
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
                                                      env.get("PYTHONPATH", "")) if p)
     try:
-        done = subprocess.run([sys.executable, "-m", "inprocess.gpu.acceptance", "--worker", "sticky"],
+        done = subprocess.run([sys.executable, str(THIS), "--worker", "sticky"],
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         return Result("sticky CUDA error ends the rank with 76", "fail", "did not end", time.monotonic() - started)
-    from .errors import EXIT_CODE_CONTEXT_LOST
+    from inprocess.exits import EXIT_CODE_CONTEXT_LOST
 
     ok = done.returncode == EXIT_CODE_CONTEXT_LOST
     detail = f"exit status {done.returncode} (expected {EXIT_CODE_CONTEXT_LOST})"
@@ -303,8 +307,8 @@ def _setup(nonblocking: bool = False) -> Any:
 def _abort_from_a_fresh_thread(seconds: float) -> float:
     """AbortTorchDistributed on a thread that never set a device (the
     restart trigger's thread); how long it took."""
-    from ..abort import AbortTorchDistributed
-    from ..state import FrozenState
+    from inprocess.abort import AbortTorchDistributed
+    from inprocess.state import FrozenState
 
     took: List[float] = []
 
@@ -331,7 +335,7 @@ def _bus_id(text: str) -> str:
 
 def _worker_own_device() -> None:
     torch, dist, local = _setup()
-    from . import nccl_abort
+    from inprocess.gpu import nccl_abort
 
     second = dist.new_group()
     x = torch.ones(1 << 20, device="cuda")
@@ -355,7 +359,7 @@ def _worker_own_device() -> None:
     # By PCI bus id: nvidia-smi numbers the GPUs its own way, whatever
     # CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say.
     devices = sorted({_bus_id(row[1]) for row in _nvidia_smi("compute-apps=pid,gpu_bus_id") if row and row[0] == pid})
-    from . import libraries
+    from inprocess.gpu import libraries
 
     driver, reason = libraries.cuda_driver()
     own = driver.pci_bus_id(local, 10 * 1_000_000_000).text if driver is not None else f"? ({reason})"
@@ -407,7 +411,7 @@ def _worker_latency() -> None:
             dist.barrier()  # the world group: rank 0 reaches it after aborting `group`
             continue
         dist.all_reduce(x, group=group)  # the others never join: hung
-        from . import nccl_abort
+        from inprocess.gpu import nccl_abort
 
         backend = group._get_backend(torch.device("cuda"))
         aborted_at: List[float] = []
@@ -427,9 +431,9 @@ def _worker_sticky() -> None:
     import torch
     import torch.distributed as dist
 
-    from ..call_wrapper import CallWrapper
-    from ..health_check import CudaHealthCheck
-    from ..wrap import Wrapper
+    from inprocess.call_wrapper import CallWrapper
+    from inprocess.health_check import CudaHealthCheck
+    from inprocess.wrap import Wrapper
 
     @Wrapper(health_check=CudaHealthCheck(), soft_timeout=datetime.timedelta(seconds=30),
              hard_timeout=datetime.timedelta(seconds=60), barrier_timeout=datetime.timedelta(seconds=90))
@@ -482,7 +486,7 @@ def markdown(env: Dict[str, Any], results: List[Result], notes: List[str]) -> st
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inprocess.gpu.acceptance", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/gpu_acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for report.json and report.md "
                         "(default: ./inprocess-acceptance-<UTC time>)")
     parser.add_argument("--tests", default=None, help="the checkout's tests/ folder (default: the one beside "
