@@ -97,12 +97,13 @@ def leaves(decision: Decision, initial_rank: int) -> bool:
     return decision.abort is not None or decision.membership.mode[initial_rank] == TERMINATED
 
 
-def seated(previous: Membership, joined: Iterable[tuple[int, int]]) -> Membership:
+def seated(previous: Optional[Membership], joined: Iterable[tuple[int, int]]) -> Optional[Membership]:
     """The membership a decision changes: ``previous`` with the decision's joiners (``(seat, life)``
-    pairs) seated as spares (:meth:`Membership.with_joined`); ``previous`` itself when none joined.
-    The leader's rank assignment starts from it, and every rank's check of its own row."""
+    pairs) seated as spares (:meth:`Membership.with_joined`); ``previous`` itself when none joined,
+    and None before the first decision (nobody joins at barrier 0). The leader's rank assignment
+    starts from it, and every rank's check of its own row."""
     joined = list(joined)
-    return previous.with_joined(joined) if joined else previous
+    return previous.with_joined(joined) if joined and previous is not None else previous
 
 
 def _mode(column: int, initial_rank: int) -> Mode:

@@ -272,10 +272,10 @@ class Recovery:
     def _seated(self, previous: Optional[Membership], joined: list[tuple[int, int]]) -> Optional[Membership]:
         """The membership a decision changes (:func:`~inprocess.control.recovery_plan.seated`); the
         joiners' topology keys replace their seats' old ones."""
-        if previous is None or not joined:
-            return previous
-        self.assignment.forget_topology()
-        return seated(previous, joined)
+        changed = seated(previous, joined)
+        if changed is not previous:
+            self.assignment.forget_topology()
+        return changed
 
     def _decide(self, dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
         """The leader's decision at a barrier: joiners admitted (after the first), then the rank assignment."""
