@@ -102,3 +102,16 @@ def test_the_tables_rules_are_the_lists_each_module_kept_before() -> None:
                                            "FINALIZING": "finalize", "HEALTH_CHECK": "health_check",
                                            "RESTART_BARRIER": "barrier"}
     assert list(phases.fault_names()) == ["entry", "initialize", "abort", "finalize", "health_check", "barrier"]
+
+
+def test_the_executor_has_a_step_for_every_restart_row_and_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine/recovery.py runs a restart as the phase table's restart rows in order, one step each."""
+    import inprocess
+    from inprocess.control import phases
+    from inprocess.engine.recovery import Recovery
+    from inprocess.state import State
+
+    monkeypatch.delenv("INPROCESS_JOIN", raising=False)
+    recovery = Recovery(inprocess.Wrapper(), State(initial_rank=0, initial_world_size=2, rank=0, world_size=2), [],
+                        lambda: None)
+    assert list(recovery.restart_steps()) == [row.phase for row in phases.restart_rows()]

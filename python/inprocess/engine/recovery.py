@@ -153,15 +153,19 @@ class Recovery:
         """After a fault: the phase table's restart rows in order, each the step below of its
         phase; the barrier's decision is carried out at the last one."""
         record = RestartRecord(self.state.iteration, [], 0, [])
-        steps: dict[Phase, Callable[[RestartRecord, IterationOutcome], None]] = {
+        steps = self.restart_steps()
+        for row in phases.restart_rows():
+            self.set_phase(row.phase)
+            steps[row.phase](record, outcome)
+
+    def restart_steps(self) -> dict[Phase, Callable[[RestartRecord, IterationOutcome], None]]:
+        """The step of each restart row of the phase table (a row without one is a test failure)."""
+        return {
             Phase.ABORTING: self._abort_step,
             Phase.FINALIZING: self._finalize_step,
             Phase.HEALTH_CHECK: self._health_check_step,
             Phase.RESTART_BARRIER: self._barrier_step,
         }
-        for row in phases.restart_rows():
-            self.set_phase(row.phase)
-            steps[row.phase](record, outcome)
 
     def _abort_step(self, record: RestartRecord, outcome: IterationOutcome) -> None:
         """The restart trigger's abort released the main thread: wait for it to finish, then release
