@@ -1,6 +1,7 @@
-"""The ranks' topology keys in the store: what each initial rank's rank assignment groups it by
-(its node, its rack, ...: :meth:`RankAssignment.local_keys`), published once at barrier 0 and
-again for each joiner a leader admits, read by the leader when it decides (once per call, and
+"""The ranks' topology keys in the store, published at barrier 0 and for each joiner admitted.
+
+They are what each initial rank's rank assignment groups it by (its node, its rack, ...:
+:meth:`RankAssignment.local_keys`); the leader reads them when it decides (once per call, and
 after every admission). One key of JSON lines, ``[initial rank, key lists]`` each (a later line
 for a rank replaces an earlier one). This module imports no torch."""
 

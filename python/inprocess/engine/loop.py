@@ -1,4 +1,6 @@
-"""The restart loop of one wrapped call, as the state machine it is; it reads top to bottom::
+"""The restart loop of one wrapped call, as the state machine it is.
+
+It reads top to bottom::
 
     ENTER ──► ITERATION i ──returned everywhere──► COMPLETE ──► return value
                 │  ▲
