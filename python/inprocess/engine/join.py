@@ -191,4 +191,4 @@ def _check_incarnation(join: JoinKeys, incarnation: str) -> None:
         raise JoinRefused(f"this process belongs to incarnation {incarnation or '(none)'!r} of the job, and the "
                           f"store runs incarnation {running or '(none)'!r}: a process of another incarnation "
                           f"cannot join it (its launcher's variables differ: TORCHELASTIC_RESTART_COUNT, "
-                          f"SLURM_STEP_ID, ...)")
+                          f"SLURM_RESTART_COUNT, ...)")
