@@ -267,7 +267,10 @@ def test_a_steps_node_layout_comes_from_slurms_variables_without_ntasks_per_node
 # (ranks 2 and 3) failed; train.py is the training script with its arguments.
 REPLACEMENT = ('INPROCESS_JOIN=1 RANK_OFFSET=2 WORLD_SIZE=4 srun --jobid="$SLURM_JOB_ID" --nodes=1 --ntasks=2 '
                '--nodelist="$SPARE_NODE" --kill-on-bad-exit=0 --wait=0 examples/slurm/respawn_task.sh train.py')
-PACED = ("--steps", "600", "--step-time", "0.05")  # 30 s at least: time for a node's loss and a replacement
+# A step of 0.5 s: the training lasts about steps x 0.5 s whatever the machine's load (a step's own work takes
+# less), long enough for a node's loss to be seen (heartbeat_timeout, 20 s) and a replacement to come (the
+# replacement's srun and imports took 8 s on an idle machine, 28 s at a load of 13).
+PACED = ("--steps", "120", "--step-time", "0.5")
 
 
 @pytest.mark.timeout(420)
@@ -295,7 +298,7 @@ def test_a_replacement_node_joins_the_running_job_and_the_world_grows_back(jobs:
 @pytest.mark.timeout(420)
 def test_the_store_apart_survives_the_loss_of_the_node_of_initial_rank_0(jobs: Jobs) -> None:
     # Issue 33, finding 7: with the store host forked from rank 0, that node's loss ended the job.
-    job = jobs.sbatch(APART, "--ntasks-per-node=2", args=PACED)
+    job = jobs.sbatch(APART, "--ntasks-per-node=2", args=("--steps", "80", "--step-time", "0.5"))
     wait_for("4 ranks training", lambda: jobs.running(range(4)), 200)
     jobs.kill_node("inprocess-node2")  # initial ranks 0 and 1: the store runs on node 1, the ranks on 2 and 3
     state = jobs.wait_ended(job, 360)
@@ -303,7 +306,7 @@ def test_the_store_apart_survives_the_loss_of_the_node_of_initial_rank_0(jobs: J
     assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "0"), out[-6000:]
     assert "serving on port" in out, out[-6000:]  # the store host, on the batch host (inprocess-node1)
     assert re.search(r"^restart after iteration 0: .*excluded: \[0, 1\]; now 2 active of 2", out, re.M), out[-6000:]
-    assert "[optimal] 600 steps done in iteration 1 (1 restarts)" in out, out[-6000:]
+    assert "[optimal] 80 steps done in iteration 1 (1 restarts)" in out, out[-6000:]
     lines = done_lines(out)
     assert sorted(lines) == [2, 3] and {w for w, _ in lines.values()} == {2}, out[-6000:]
     # srun's status leaves out the tasks of a node that failed (--no-kill): the step ends with 0.

@@ -95,10 +95,11 @@ def wait_for_admission(
     try:
         if link is not None:
             outcome = _wait_on_board(join, token, link, stamp)
-        with join.quiet_waits() as quiet:
-            while outcome is None:
-                stamp()
-                outcome = quiet.wait_outcome(token, _STAMP_S)
+        if outcome is None:  # not from the board: the store's wait, torch-free (no warning per wait that times out)
+            with join.quiet_waits() as quiet:
+                while outcome is None:
+                    stamp()
+                    outcome = quiet.wait_outcome(token, _STAMP_S)
     except RestartError:
         raise
     except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
