@@ -27,8 +27,8 @@ already hosts a server that outlives the training processes: where the store is
 that one (no ``port`` in ``store_kwargs``, or MASTER_PORT), no store host is
 started; an explicit port elsewhere gets one (inprocess.store.uses_agent_store).
 
-Where no rank should host it (SLURM: the batch host of a heterogeneous job,
-``examples/slurm/train.sbatch``), it is started by hand, ``--port`` the job's
+Where no rank should host it (SLURM: the batch host of
+``examples/slurm/train_store_apart.sbatch``), it is started by hand, ``--port`` the job's
 MASTER_PORT, and the ranks are told that the store is served already
 (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank is its client). No rank then
 binds it to a call, so it waits for the idle timeout (or a stop signal) to end.
