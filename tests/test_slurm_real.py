@@ -234,6 +234,9 @@ def test_max_requeues_is_honoured_exactly(jobs: Jobs) -> None:
     assert "step ended with status 75 and no rank finished; no requeue left: 1 of 1 used" in out, out[-6000:]
 
 
+# Slow (50-120 s here): the same respawn and grow run on every change under inprocess.launch --respawn
+# (tests/test_examples_respawn.py); this one adds srun and respawn_task.sh around them.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_respawn_recipe_respawns_a_killed_rank_which_rejoins_at_a_grow(jobs: Jobs) -> None:
     job = jobs.sbatch(TRAIN, "--ntasks-per-node=2", args=("--steps", "500", "--step-time", "0.05"),
