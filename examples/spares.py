@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import time
 from typing import Optional
 
 import torch
@@ -48,7 +49,8 @@ def make_train(active: int) -> inprocess.Wrapper:
     )
 
 
-def train(progress: Progress, steps: int, call_wrapper: Optional[inprocess.CallWrapper] = None) -> int:
+def train(progress: Progress, steps: int, step_time: float = 0.0,
+          call_wrapper: Optional[inprocess.CallWrapper] = None) -> int:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     if progress.took_over_at is None and call_wrapper.iteration > 0 and progress.step == 0:
@@ -66,6 +68,7 @@ def train(progress: Progress, steps: int, call_wrapper: Optional[inprocess.CallW
     ddp = torch.nn.parallel.DistributedDataParallel(progress.model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.02)
     while progress.step < steps:
+        started = time.monotonic()
         call_wrapper.ping()
         inprocess.faults.maybe_inject(progress.step)
         gen = torch.Generator().manual_seed(progress.step * 1000 + me.active_rank)
@@ -75,6 +78,7 @@ def train(progress: Progress, steps: int, call_wrapper: Optional[inprocess.CallW
         opt.step()
         with call_wrapper.atomic():
             progress.step += 1
+        time.sleep(max(0.0, step_time - (time.monotonic() - started)))
     dist.destroy_process_group()
     if me.active_rank == 0:
         print(f"[spares] {steps} steps done on {me.active_world_size} active ranks in iteration "
@@ -86,11 +90,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--active", type=int, default=3, help="active ranks; the others are spares")
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="seconds a step takes at least (a stand-in for a real model's step)")
     args = parser.parse_args()
     torch.manual_seed(0)
     progress = Progress(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    width = make_train(args.active)(train)(progress, args.steps)
-    # None: this rank was a spare to the end (never needed).
+    width = make_train(args.active)(train)(progress, args.steps, args.step_time)
+    # None: this rank was a spare to the end (never needed), or a respawned process that waited to join
+    # (python -m inprocess.launch --respawn) and was never needed either.
     role = "spare, never activated" if width is None else f"active, {width} active ranks at the end"
     print(f"[spares] initial rank {os.environ['RANK']}: {role}", flush=True)
 

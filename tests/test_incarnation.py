@@ -1,5 +1,5 @@
 """Store keys scoped to the launcher's incarnation of the job (torchrun's run id and
-restart count, SLURM's job, step and restart count)."""
+restart count, SLURM's job and restart count)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,20 @@ def test_the_incarnation_names_what_each_launcher_sets() -> None:
     assert job_incarnation({}) == ""
     assert job_incarnation({"PATH": "/bin"}) == ""
     assert job_incarnation(TORCHRUN_0) == "torchrun.job.0"
-    assert job_incarnation({"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "2", "SLURM_RESTART_COUNT": "1"}) == "slurm.81.2.1"
+    assert job_incarnation({"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "2", "SLURM_RESTART_COUNT": "1"}) == "slurm.81.1"
     # Requeued jobs have SLURM_RESTART_COUNT; a first run has none: still a distinct, stable name.
-    assert job_incarnation({"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "2"}) == "slurm.81.2."
+    assert job_incarnation({"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "2"}) == "slurm.81."
     # torchrun inside an allocation: both.
-    assert job_incarnation({**TORCHRUN_1, "SLURM_JOB_ID": "81"}) == "torchrun.job.1+slurm.81.."
+    assert job_incarnation({**TORCHRUN_1, "SLURM_JOB_ID": "81"}) == "torchrun.job.1+slurm.81."
+
+
+def test_a_later_step_of_the_job_shares_its_incarnation_and_a_requeue_does_not() -> None:
+    # A replacement node's processes come in a step of their own (srun --jobid: SLURM_STEP_ID 1, 2, ...):
+    # they join the training step's incarnation. A process of the job before its requeue does not.
+    training = {"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}
+    assert job_incarnation({**training, "SLURM_STEP_ID": "3"}) == job_incarnation(training)
+    assert job_incarnation({**training, "SLURM_RESTART_COUNT": "0"}) != job_incarnation(training)
+    assert job_incarnation({"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "0"}) != job_incarnation(training)
 
 
 def test_every_launcher_variable_changes_the_incarnation() -> None:

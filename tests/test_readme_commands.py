@@ -32,10 +32,20 @@ def test_the_two_commands_are_the_demo_and_the_suite() -> None:
     assert two_commands() == [DEMO_COMMAND, TEST_COMMAND]
 
 
+# What .ci/run adds around the README's test command: the emulated SLURM cluster of tools/slurm_cluster.py
+# (tests/test_slurm_real.py), started before the suite, stopped on every exit, and required by the suite.
+CI_SLURM = [
+    "python3 tools/slurm_cluster.py start",
+    "trap 'python3 tools/slurm_cluster.py stop' EXIT",
+    "export INPROCESS_SLURM_REQUIRED=1",
+]
+
+
 def test_ci_runs_the_readmes_test_command() -> None:
-    """.ci/run runs the README's test command and nothing else (no install of its own, no system edit)."""
+    """.ci/run runs the README's test command and nothing else (no install of its own, no system edit)
+    but the SLURM cluster that tests/test_slurm_real.py runs its jobs on."""
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = [line for line in lines if line and not line.startswith("#")]
-    assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', TEST_COMMAND], commands
+    assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', *CI_SLURM, TEST_COMMAND], commands
     assert TEST_COMMAND in two_commands()
 

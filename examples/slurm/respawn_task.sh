@@ -1,6 +1,6 @@
 #!/bin/bash
 # One task of an srun step that respawns its rank's process, as `python -m inprocess.launch --respawn`
-# does on one machine (README, "Respawn and rejoin"):
+# does on one machine (README, "Respawn and rejoin"); examples/slurm/train.sbatch runs every task through it:
 #
 #   srun --kill-on-bad-exit=0 --wait=0 examples/slurm/respawn_task.sh train.py [args...]
 #
@@ -18,13 +18,16 @@ set -uo pipefail
 RESPAWNS=${RESPAWNS:-3}
 RESPAWN_BACKOFF=${RESPAWN_BACKOFF:-1}
 # A replacement node's step sets WORLD_SIZE (the job's, not its own SLURM_NTASKS), RANK_OFFSET (the first
-# rank of the node it replaces) and INPROCESS_JOIN=1 (its first processes join too): README, "SLURM".
+# rank of the node it replaces) and INPROCESS_JOIN=1 (its first processes join too): docs/slurm.md.
 export RANK=${RANK:-$((${RANK_OFFSET:-0} + SLURM_PROCID))} WORLD_SIZE=${WORLD_SIZE:-$SLURM_NTASKS}
 export LOCAL_RANK=${LOCAL_RANK:-$SLURM_LOCALID}
 
 count=0
 while :; do
-    python "$@"
+    # bash's own notice of a killed child ("line N: PID Killed ...") names the line of this loop's end, not
+    # this one: it goes to /dev/null (the 2>/dev/null around the braces), python's stderr does not (3);
+    # the lines below say what happened, naming the rank and the script.
+    { python "$@" 2>&3; } 3>&2 2>/dev/null
     status=$?
     if [ "$status" -eq 0 ]; then
         [ -n "${DONE_FILE:-}" ] && touch "$DONE_FILE"
@@ -36,6 +39,10 @@ while :; do
         reason="exited with status $status"
     else
         exit "$status"  # the rank's own failure: a new process would repeat it
+    fi
+    if [ "$RESPAWNS" -eq 0 ]; then
+        echo "respawn_task: rank $RANK $reason; not respawned (RESPAWNS=0)" >&2
+        exit "$status"
     fi
     if [ "$count" -ge "$RESPAWNS" ]; then
         echo "respawn_task: rank $RANK $reason; no respawn left: $RESPAWNS of $RESPAWNS used" >&2

@@ -156,7 +156,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
             except TimeoutError as e:
                 if not joining:
                     raise
-                raise TimeoutError(f"INPROCESS_JOIN=1: the job it would join is not running: {e}") from None
+                # A respawned process that came too late (the job ended, and its store with it), or one started
+                # for no running job: one line and status 1, not a traceback; only a launcher sets INPROCESS_JOIN.
+                raise SystemExit(f"inprocess: rank {rank}: INPROCESS_JOIN=1, but the job it would join is not "
+                                 f"running ({e}): this process leaves") from None
         try:
             super().__init__(
                 host_name,

@@ -87,10 +87,11 @@ agent store) makes that lookup then. This module imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..exception import InternalError, TimeoutError
 from . import seats
@@ -110,6 +111,7 @@ from .keys import CallKeys, running
 from .membership import TERMINATED, Membership
 from .records import HOST
 from .seat_table import SeatTable
+from .store_ops import CountingStore
 
 log = logging.getLogger("inprocess")
 
@@ -251,6 +253,21 @@ class JoinKeys:
         """The joiner's outcome, None while it is pending (or not announced)."""
         raw = self.counted.peek(self.joiner_key(token))
         return None if raw is None else Outcome.parse(raw.decode())
+
+    @contextlib.contextmanager
+    def quiet_waits(self) -> Iterator["JoinKeys"]:
+        """These keys on a connection of their own that is torch-free where the store is a
+        TCPStore server's client: torch's client logs two warning lines for every wait of its
+        that times out, and a waiting joiner's waits time out every second (it stamps its
+        progress in between). Elsewhere these keys as they are. One call: the handshake."""
+        pipe = self.counted.open_pipe()
+        if pipe is None:
+            yield self
+            return
+        try:
+            yield JoinKeys(CountingStore(pipe), self.call, self.incarnation)
+        finally:
+            pipe.close()
 
     def wait_outcome(self, token: str, seconds: float) -> Optional[Outcome]:
         """The joiner's outcome once somebody told it; None when ``seconds`` passed first.

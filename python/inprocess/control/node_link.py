@@ -17,6 +17,7 @@ from typing import Any, Optional, Protocol
 
 from .. import _native
 from .incarnation import job_incarnation
+from .slurm_layout import slurm_layout
 
 log = logging.getLogger("inprocess.processes.node_agent")
 
@@ -34,22 +35,20 @@ class NodeLayout:
 
     @classmethod
     def from_env(cls, env: Optional[dict[str, str]] = None) -> Optional["NodeLayout"]:
-        """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK, or SLURM's
-        SLURM_LOCALID / SLURM_NTASKS_PER_NODE / SLURM_NODEID; None without them."""
+        """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK, or a SLURM task's
+        (:func:`inprocess.control.slurm_layout.slurm_layout`); None without them."""
         env = dict(os.environ) if env is None else env
-        for local, size, node in (
-            ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
-            ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),
-        ):
-            if local in env and size in env:
-                try:
-                    local_rank, local_world_size = int(env[local]), int(env[size])
-                except ValueError:
-                    raise ValueError(f"{local}={env[local]!r}, {size}={env[size]!r}: expected integers") from None
-                if not 0 <= local_rank < local_world_size:
-                    raise ValueError(f"{local}={local_rank} is not in [0, {size}={local_world_size})")
-                return cls(env.get(node, socket.gethostname()), local_rank, local_world_size)
-        return None
+        local, size = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+        if local in env and size in env:
+            try:
+                local_rank, local_world_size = int(env[local]), int(env[size])
+            except ValueError:
+                raise ValueError(f"{local}={env[local]!r}, {size}={env[size]!r}: expected integers") from None
+            if not 0 <= local_rank < local_world_size:
+                raise ValueError(f"{local}={local_rank} is not in [0, {size}={local_world_size})")
+            return cls(env.get("GROUP_RANK", socket.gethostname()), local_rank, local_world_size)
+        slurm = slurm_layout(env)
+        return None if slurm is None else cls(*slurm)
 
 
 def socket_name(store_host: str, store_port: int, call: int, node: str, env: Optional[dict[str, str]] = None) -> bytes:

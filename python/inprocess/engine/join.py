@@ -83,7 +83,8 @@ def wait_for_admission(
         log.info("rank %d: seat %d is held by a running process of the job: this process waits until it is free",
                  seat, seat)
     elif monitor_beat_s is not None:
-        _await_first_beat(join, token, stamp, monitor_beat_s)
+        with join.quiet_waits() as quiet:  # no torch warning per wait that times out
+            _await_first_beat(quiet, token, stamp, monitor_beat_s)
     join.announce(Announcement(token, seat, HOST, os.getpid(), config, keys))
     # Read after the announcement: a job that ended before it closed it, or says so here.
     _check_incarnation(join, p.incarnation)
@@ -94,9 +95,11 @@ def wait_for_admission(
     try:
         if link is not None:
             outcome = _wait_on_board(join, token, link, stamp)
-        while outcome is None:
-            stamp()
-            outcome = join.wait_outcome(token, _STAMP_S)
+        if outcome is None:  # not from the board: the store's wait, torch-free (no warning per wait that times out)
+            with join.quiet_waits() as quiet:
+                while outcome is None:
+                    stamp()
+                    outcome = quiet.wait_outcome(token, _STAMP_S)
     except RestartError:
         raise
     except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
@@ -191,4 +194,4 @@ def _check_incarnation(join: JoinKeys, incarnation: str) -> None:
         raise JoinRefused(f"this process belongs to incarnation {incarnation or '(none)'!r} of the job, and the "
                           f"store runs incarnation {running or '(none)'!r}: a process of another incarnation "
                           f"cannot join it (its launcher's variables differ: TORCHELASTIC_RESTART_COUNT, "
-                          f"SLURM_STEP_ID, ...)")
+                          f"SLURM_RESTART_COUNT, ...)")

@@ -318,7 +318,8 @@ class StoreHostConfig(HelperConfig):
     parent_pid: int = option("the process that started this one (0: none)", NON_NEGATIVE, default=0)
     check_interval_s: float = option("how often the lifetime is checked", POSITIVE, default=1.0)
     libuv: bool = option("torch's libuv server backend (false: the legacy one)", default=True)
-    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': none)", NO_SLASH, default="")
+    incarnation: str = option("the launcher's incarnation of the job (key prefix; '': from the launcher's "
+                              "variables in this process's environment, if any)", NO_SLASH, default="")
 
     def describe(self) -> str:
         return f"the TCPStore host process for port {self.port}"

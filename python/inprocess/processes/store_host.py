@@ -27,6 +27,12 @@ already hosts a server that outlives the training processes: where the store is
 that one (no ``port`` in ``store_kwargs``, or MASTER_PORT), no store host is
 started; an explicit port elsewhere gets one (inprocess.store.uses_agent_store).
 
+Where no rank should host it (SLURM: the batch host of
+``examples/slurm/train_store_apart.sbatch``), it is started by hand, ``--port`` the job's
+MASTER_PORT, and the ranks are told that the store is served already
+(``TORCHELASTIC_USE_AGENT_STORE=True``: every rank is its client). No rank then
+binds it to a call, so it waits for the idle timeout (or a stop signal) to end.
+
 Exit codes: 0 done or stopped, 2 bad arguments, 3 the server could not start
 (the reason is written to the ready pipe and the log), 4 internal error.
 """
@@ -42,6 +48,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from ..control import keys
 from ..control.host_names import numeric_host_names
+from ..control.incarnation import job_incarnation
 from ..control.protocol import done_key, is_timeout, monitor_heartbeat_key
 from ..control.tcpstore_client import TCPStoreClient
 from .contract import EXIT_OK, StopRequest, StoreHostConfig, run_helper, tell_failed, tell_ready
@@ -119,7 +126,10 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
         client.close()
 
     threading.Thread(target=end_the_wait_on_stop, name="inprocess-store-stop", daemon=True).start()
-    liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, config.incarnation)
+    # Started by hand (a SLURM batch host, examples/slurm/train.sbatch) it has no --incarnation: the launcher's
+    # variables it shares with the ranks give it (control/incarnation.py); a rank passes its own, the same.
+    incarnation = config.incarnation or job_incarnation()
+    liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, incarnation)
     call: Optional[int] = None
     while not stop.is_set():
         try:
@@ -128,7 +138,7 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
                 client.wait([CALL_KEY], config.check_interval_s)
                 call = int(client.get(CALL_KEY))
                 continue
-            client.wait([done_key(call, config.incarnation)], config.check_interval_s)
+            client.wait([done_key(call, incarnation)], config.check_interval_s)
             log.info("call %d is done", call)
             return EXIT_OK
         except Exception as e:
