@@ -22,8 +22,8 @@ from typing import Any, Optional
 import pytest
 
 from conftest import leftover_processes
-from inprocess.launch import (
-    JOIN_VAR,
+from inprocess.launch import JOIN_VAR
+from inprocess.respawn import (
     REPLACE_ME_STATUSES,
     RESPAWN_BACKOFF_CAP_S,
     RESPAWN_COUNT_VAR,
