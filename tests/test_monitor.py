@@ -25,7 +25,7 @@ import pytest
 from inprocess import _native
 from inprocess.control.protocol import TERMINATED_UNIT, RestartProtocol
 from inprocess.processes.contract import MonitorConfig
-from inprocess.processes.monitor import EXIT_OK, EXIT_STORE, monitor_heartbeat_key
+from inprocess.processes.monitor import EXIT_OK, EXIT_STORE, HEARTBEAT_GONE, monitor_heartbeat_key
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -285,6 +285,27 @@ def test_sigterm_stops_the_monitor_without_touching_the_store(rank_run: Any, sto
     os.kill(run.proc.pid, signal.SIGKILL)
     run.wait_rank(10)
     assert not store.check(["inprocess/0/2/faults"])
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_stopped_with_its_dying_rank_counts_it_out_and_marks_nothing_gone(rank_run: Any,
+                                                                                   store: Any) -> None:
+    """A node torn down: its processes get SIGTERM, then SIGKILL, the monitor and its rank alike. A
+    monitor stopped while its rank is still in the job (phase RUNNING) must not mark its seat left on
+    purpose (its peers would never count the rank out: the job waited barrier_timeout, one run in four
+    of tests/test_slurm_real.py's store-apart case); its rank dying meanwhile, it counts it out itself."""
+    run = rank_run(action="wait", heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0, initial_world_size=4)
+    mpid = run.ready()
+    key = monitor_heartbeat_key(0, 1)
+    store.wait([key])
+    os.kill(mpid, signal.SIGTERM)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    assert run.wait_monitor(20) == EXIT_OK, run.log()
+    run.wait_rank(10)
+    assert int(store.add(key, 0)) < HEARTBEAT_GONE, run.log()  # not marked left on purpose
+    faults = _faults(store, 2)
+    assert [(f.rank, f.kind, f.type) for f in faults] == [(1, "killed", "SIGKILL")], run.log()
+    assert _arrivals(store, 3) == TERMINATED_UNIT
 
 
 @pytest.mark.timeout(60)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ EXIT_UNKILLABLE = 5
 
 _FOREVER_S = 10 * 365 * 24 * 3600.0
 _MARK_GONE_CONNECT_S = 2.0  # a monitor that must reconnect to say it leaves does not wait longer
+_DYING_WITH_IT_S = 2.0  # stopped from outside while its rank is in the job: how long it looks for the rank's death
 _FINISHED = phases.finished()
 # Where a rank may be counted healthy at a barrier whose decision is not out (it may lead it).
 _IN_BARRIER = phases.counted_in_barrier()
@@ -181,6 +183,7 @@ class Monitor:
         self._beating = False  # this monitor added to its seat's counter (a joiner's waits for a free seat)
         self._event: Optional[_native.GuardEvent] = None
         self._start_time: Optional[int] = None
+        self._gone_on_purpose = True  # its seat's counter is marked gone when it stops (_mark_gone)
 
     # store ------------------------------------------------------------------
 
@@ -293,7 +296,7 @@ class Monitor:
         a job the store host may be gone already, and then there is nobody left
         to tell, which is no reason to wait or to warn. A joiner's monitor that
         never beat leaves the counter alone: it is the running holder's."""
-        if self.args.join_token and not self._beating:
+        if (self.args.join_token and not self._beating) or not self._gone_on_purpose:
             return
         try:
             if store is None:
@@ -348,13 +351,32 @@ class Monitor:
         log.info("watching rank %d (pid %d), phase %s", self.rank, self.pid, snap.phase.name)
         self.stop.wait()
         if self.stop.signal is not None:
-            log.info("stopped by %s; rank %d (pid %d) left as it is", self.stop.signal.name, self.rank, self.pid)
-            return EXIT_OK
+            return self._stopped_by_signal(self.stop.signal)
         waiter.join()
         if self._event is None:
             log.error("the hard-timeout guard ended without an event")
             return EXIT_INTERNAL
         return self.handle_event(self._event)
+
+    def _stopped_by_signal(self, sig: signal.Signals) -> int:
+        """Told to stop. Its rank stops it so at the end of the call, once its page says it left the
+        wrapper: then the seat is marked gone on purpose. Stopped while the rank is still in the job
+        (a node being torn down, a job-wide signal), the seat must not look left on purpose: if the rank
+        dies within the grace it is counted out here, as any death; otherwise the peers' monitors count
+        it out once its counter stood still for heartbeat_timeout."""
+        snap = self._page_snapshot()
+        if snap is None or snap.phase in _FINISHED:
+            log.info("stopped by %s; rank %d (pid %d) left as it is", sig.name, self.rank, self.pid)
+            return EXIT_OK
+        self._gone_on_purpose = False
+        if _native.wait_for_exit(self.pidfd, _ns(min(self.args.grace_s, _DYING_WITH_IT_S))):
+            log.warning("stopped by %s while rank %d (pid %d) was in phase %s; the rank died meanwhile",
+                        sig.name, self.rank, self.pid, snap.phase.name)
+            return self.handle_death(None)
+        log.warning("stopped by %s while rank %d (pid %d) is in phase %s: it is left unwatched, and its seat is not "
+                    "marked left (its peers count it out if it goes silent)", sig.name, self.rank, self.pid,
+                    snap.phase.name)
+        return EXIT_OK
 
     def _wait_guard(self) -> None:
         assert self.guard is not None
