@@ -456,7 +456,7 @@ P2P_HAZARD = """
     pg.launch_p2p_kernel()  # a send whose recv never comes, ahead on the stream
     pg.launch_kernel()  # the collective queued behind it
     try:
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 1.5, revoke={revoke}))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 1.5{revoke}))
         outcome = f"released: {{report.torch_aborted}} aborted"
     except NcclAbortTimeout as e:
         outcome = f"timeout: {{e}}"
@@ -473,7 +473,7 @@ def test_a_p2p_kernel_ahead_on_the_stream_holds_a_revoke_not_torchs_abort(fakes:
     collective on the same stream, holds the revoke's wait for the stream (ncclCommRevoke's job
     synchronizes the streams, nccl src/init.cc v2.29.7-1 lines 2608-2620) until the deadline:
     exit 75. torch's abort alone aborts the P2P communicator too and releases both: the default."""
-    default = run_case(fakes, P2P_HAZARD.format(revoke=False), timeout=20)
+    default = run_case(fakes, P2P_HAZARD.format(revoke=""), timeout=20)
     assert default["outcome"] == "released: 1 aborted" and [s & 1 for s in default["states"]] == [1, 1], default
-    revoking = run_case(fakes, P2P_HAZARD.format(revoke=True), timeout=20)
+    revoking = run_case(fakes, P2P_HAZARD.format(revoke=", revoke=True"), timeout=20)
     assert revoking["outcome"].startswith("timeout: ncclCommRevoke of 1 communicators"), revoking
