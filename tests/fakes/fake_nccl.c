@@ -38,11 +38,13 @@
  *   thread's at line 1835): the kernels end at the call, the call itself
  *   lasts up to a poll boundary. FAKE_NCCL_TEARDOWN_MS (default 0) is that
  *   wait, spent after the kernels were released and the communicator freed.
- * - No NCCL call may run beside an abort (NCCL's documentation: a
- *   communicator's calls are not thread-safe, and ncclCommAbort frees what
- *   the others use). ncclCommAbort calls running at once on different
- *   communicators are allowed (torch aborts each group on a thread of its
- *   own). Any other call (a communicator's creation, a kernel launch,
+ * - No NCCL call may run beside an abort: "make sure no thread is calling any
+ *   NCCL operations while calling ncclCommAbort" (docs/userguide/source/
+ *   usage/communicators.rst, Fault Tolerance, v2.30.7-1). ncclCommAbort calls
+ *   running at once on different communicators are allowed here: torch aborts
+ *   each group on a thread of its own, NCCL's source handles aborts from
+ *   several threads since 2.19.1 (NVIDIA/nccl#992), though its documentation
+ *   does not promise it (usage/threadsafety.rst). Any other call (a communicator's creation, a kernel launch,
  *   ncclCommGetAsyncError, ncclCommRevoke) made while an abort runs is
  *   counted (fake_nccl_calls_beside_abort) and, with
  *   FAKE_NCCL_ALONE_DURING_ABORT=1, aborts the process with "called while an
