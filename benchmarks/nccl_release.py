@@ -227,17 +227,29 @@ def print_restart(result: Dict[str, Any]) -> None:
         print(f"  critical path after / before (medians): {statistics.median(after) / statistics.median(before):.2f}")
 
 
+def _sample_rows(prefix: str, value: Any) -> List[str]:
+    """Every list of samples under `value` (nested dicts and lists of per-rank dicts), one row each."""
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return [f"  {prefix:52s} {_stats([float(v) for v in value]):>18s}"]
+    if isinstance(value, list):
+        return [row for i, v in enumerate(value) for row in _sample_rows(f"{prefix} [{i}]", v)]
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _sample_rows(f"{prefix} {k}".strip(), v)]
+    return []
+
+
 def print_report(results: Dict[str, Any]) -> None:
     for mode, result in results.items():
         if "skipped" in result:
             print(f"{mode:12s} skipped: {result['skipped']}")
         elif mode == "restart":
             print_restart(result)
-        elif mode in ("steps",):
+        elif mode == "steps":
             for name, value in result.items():
                 print(f"{mode:12s} {name:40s} {value if isinstance(value, str) else f'{value:9.1f} ms'}")
         else:
-            print(f"{mode:12s} {json.dumps(result)}")
+            print(f"\n{mode}   ms, median / max")
+            print("\n".join(_sample_rows("", result)))
 
 
 def main() -> int:

@@ -67,6 +67,17 @@ def _groups(n: int) -> List[Any]:
     return [g._get_backend(torch.device("cuda")) for g in groups]
 
 
+def _release_ms(release: Callable[[], Any]) -> float:
+    """`release` of the current groups from a fresh thread, timed to its return; then the groups destroyed."""
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    _on_a_fresh_thread(release)
+    took = 1e3 * (time.monotonic() - started)
+    dist.destroy_process_group()
+    return took
+
+
 def _one_rank() -> Any:
     import torch.distributed as dist
 
@@ -103,8 +114,6 @@ def case_aborts(args: Dict[str, Any]) -> Dict[str, Any]:
     """``groups`` groups released by torch's serial path (each ``abort()`` after the other, as
     destroy_process_group's shutdowns) and by the library's concurrent one (``nccl_abort.Aborts``),
     fresh groups each time: the whole release, per path."""
-    import torch.distributed as dist
-
     from inprocess.gpu import nccl_abort
 
     def serial(backends: List[Any]) -> None:
@@ -120,17 +129,13 @@ def case_aborts(args: Dict[str, Any]) -> Dict[str, Any]:
         for path, release in (("serial", serial), ("concurrent", concurrent)):
             _init(store, 0, 1, 0, prefix=f"{path}-{sample}")
             backends = _groups(args["groups"])
-            started = time.monotonic()
-            _on_a_fresh_thread(lambda b=backends, r=release: r(b))
-            out[path].append(1e3 * (time.monotonic() - started))
-            dist.destroy_process_group()
+            out[path].append(_release_ms(lambda b=backends, r=release: r(b)))
     return out
 
 
 def case_sweep(args: Dict[str, Any]) -> Dict[str, Any]:
     """The teardown (the library's release of one group, revoke on or off, from a fresh thread) after
     ``delay`` seconds since the group's init and all_reduce, per delay and revoke setting."""
-    import torch.distributed as dist
 
     from inprocess.gpu import nccl_abort
 
@@ -143,10 +148,7 @@ def case_sweep(args: Dict[str, Any]) -> Dict[str, Any]:
                 _init(store, 0, 1, 0, prefix=f"{delay}-{revoke}-{sample}")
                 backends = _groups(1)
                 time.sleep(delay)
-                started = time.monotonic()
-                _on_a_fresh_thread(lambda b=backends, r=revoke: nccl_abort.release(b, 30.0, revoke=r))
-                times.append(1e3 * (time.monotonic() - started))
-                dist.destroy_process_group()
+                times.append(_release_ms(lambda b=backends, r=revoke: nccl_abort.release(b, 30.0, revoke=r)))
             out[f"{delay:g}s revoke={'on' if revoke else 'off'}"] = times
     return out
 
@@ -172,10 +174,7 @@ def case_multi_rank(args: Dict[str, Any]) -> Dict[str, Any]:
                 store.set(f"t0/{key}", repr(time.time() + 0.3))
             t0 = float(store.get(f"t0/{key}").decode())
             time.sleep(max(t0 - time.time(), 0.0))
-            started = time.monotonic()
-            _on_a_fresh_thread(lambda b=backends, r=revoke: nccl_abort.release(b, 30.0, revoke=r))
-            times.append(1e3 * (time.monotonic() - started))
-            dist.destroy_process_group()
+            times.append(_release_ms(lambda b=backends, r=revoke: nccl_abort.release(b, 30.0, revoke=r)))
         out[f"revoke={'on' if revoke else 'off'}"] = times
     return out
 

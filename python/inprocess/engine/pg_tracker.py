@@ -187,7 +187,7 @@ def release_groups(keep: Optional[Callable[[list[Any]], bool]] = None) -> int:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        if c10d._world.pg_map and keep is not None and keep(groups):
+        if keep is not None and keep(groups):
             names = sorted(c10d._world.pg_names.values())
             keep(_forget_groups(c10d))
             log.debug("forgot %d process group(s) %s: NCCL's teardown of them still runs", len(names), names)
