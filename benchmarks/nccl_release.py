@@ -1,23 +1,30 @@
-"""Where the time of an NCCL release goes on a real GPU: the library's steps against NCCL's own.
+"""Where the time of an NCCL release goes on a real GPU, and how much of it a restart waits for.
 
-    python benchmarks/nccl_release.py [--restarts 20]     # needs an NVIDIA GPU and a CUDA build of torch
-    python benchmarks/nccl_release.py --smoke             # 3 restarts; without a GPU it says so and exits 0
+    python benchmarks/nccl_release.py --out benchmarks/results/nccl   # every mode, about 3 minutes on 1 GPU
+    python benchmarks/nccl_release.py --modes restart,sweep           # some modes
+    python benchmarks/nccl_release.py --smoke                         # one sample each; no GPU: the fakes' part
 
-One rank on GPU 0 (world size 1: it runs on a one-GPU machine), two NCCL groups
-(the world and one ``new_group``), one ``all_reduce`` on each, then the release
-from a thread that never set a device (the restart thread's situation). Each
-case runs in a fresh process:
+NCCL stops a communicator's kernels when its abort is called, but the call returns only once the
+communicator's proxy threads have exited, and they read the abort flag only before each 500 ms poll
+(NCCL 2.29.7 ``src/proxy.cc`` lines 1663 and 1835). Modes, each in fresh processes:
 
-- ``steps``: ``inprocess.gpu.nccl_abort``'s steps one by one: find torch's NCCL,
-  make the rank's device current, read each group's communicator, read async
-  errors, ``ncclCommRevoke`` of both as one NCCL group, then torch's ``abort()``
-  of each group;
-- ``torch abort alone``: torch's ``abort()`` of each group, no revoke first (what
-  a release without ``ncclCommRevoke``, NCCL before 2.28.7, costs);
-- ``restarts``: N cycles of ``init_process_group`` + ``all_reduce``, the
-  library's whole ``release``, ``destroy_process_group``: p50/p99/max of each.
+- ``steps`` (one rank, two groups): the library's steps one by one, revoke included;
+- ``aborts`` (one rank, four groups): torch's serial path (each group's ``abort()`` after the other,
+  as ``destroy_process_group``'s shutdowns) beside the library's concurrent one;
+- ``sweep`` (one rank): the teardown after 0.025 to 1.25 s since the group's init, revoke on and off:
+  it lands on a poll boundary;
+- ``poll_cap`` (one rank): the sweep's first delay with ``benchmarks/poll_cap.c`` preloaded, which
+  caps the proxy's 500 ms ``poll`` at 5 ms: the cause, shown;
+- ``multi_rank``: every rank releases at the same instant (revoke on and off), one rank per GPU, or
+  two ranks on one GPU where NCCL 2.30+ allows it (``NCCL_MULTI_RANK_GPU_ENABLE=1``);
+- ``restart``: a wrapped job restarting, rounds alternating the teardown inside the abort
+  (``AbortTorchDistributed(overlap_teardown=False)``, before) and beside the rest of the restart
+  (the default, Stage 1, after): the abort phase, the teardown, the gate's wait and the critical
+  path (the restart trigger woke -> the function called again). Without a GPU it runs on the
+  fakes of ``tests/fakes`` (a fake NCCL whose abort takes 1 s): a model of the schedule, not NCCL.
 
-Prints a table and one JSON line; writes nothing.
+``--out DIR`` writes ``nccl_release.json`` and NCCL's own log of each case (``NCCL_DEBUG=INFO``,
+timestamped to the microsecond) there; without it nothing is written. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -25,186 +32,260 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
-import threading
-import time
-from typing import Any, Callable, Dict, List
+import tempfile
+from typing import Any, Dict, List, Optional
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
-CASES = ("steps", "torch_abort_alone", "restarts")
+HERE = pathlib.Path(__file__).resolve().parent
+CASES = HERE / "nccl_release_cases.py"
+MODES = ("steps", "aborts", "sweep", "poll_cap", "multi_rank", "restart")
+DELAYS = (0.025, 0.25, 0.5, 0.75, 1.0, 1.25)
+CASE_TIMEOUT_S = 240
+NCCL_LOG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,PROXY", "NCCL_DEBUG_TIMESTAMP_LEVELS": "ALL",
+                "NCCL_DEBUG_TIMESTAMP_FORMAT": "[%T.%6f] "}
 
 
-def _init(port: int) -> Any:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0),
-                            timeout=datetime.timedelta(seconds=60))
-    return torch, dist
+class Skipped(Exception):
+    """A mode this machine cannot run; the message says why."""
 
 
-def _two_groups(torch: Any, dist: Any) -> List[Any]:
-    second = dist.new_group()
-    x = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(x)
-    dist.all_reduce(x, group=second)
-    torch.cuda.synchronize()
-    return [g._get_backend(torch.device("cuda")) for g in (dist.group.WORLD, second)]
+def run_case(name: str, arguments: Dict[str, Any], env: Optional[Dict[str, str]] = None,
+             log: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+    full = dict(os.environ, **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "python"), full.get("PYTHONPATH", "")])
+    if log is not None:
+        full.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=str(log) + ".%p")
+    done = subprocess.run([sys.executable, str(CASES), name, json.dumps(arguments)], capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT_S, env=full, start_new_session=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"case {name} ended {done.returncode}: {done.stderr[-2000:]}")
+    return dict(json.loads(lines[-1]))
 
 
-def _on_a_fresh_thread(fn: Callable[[], Any]) -> Any:
-    """`fn` on a thread that never set a CUDA device, as the restart thread."""
-    out: Dict[str, Any] = {}
+def run_job(arguments: Dict[str, Any], ranks: int, env: Dict[str, str], log: Optional[pathlib.Path]) -> List[Any]:
+    """``case_restart`` or ``case_multi_rank`` as a job of `ranks` processes (one report per rank)."""
+    from inprocess.launch import LocalJob
 
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="restart-thread")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    job_env = dict(env, PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    if log is not None:
+        job_env.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=str(log) + ".%p")
+    with LocalJob([str(CASES), arguments.pop("case"), json.dumps(arguments)], ranks, env=job_env) as job:
+        job.wait(CASE_TIMEOUT_S)
+    if any(rp.returncode != 0 for rp in job.ranks):
+        raise RuntimeError(f"job ended {[rp.returncode for rp in job.ranks]}:\n{job.outputs()[-3000:]}")
+    return [json.loads(rp.output.strip().splitlines()[-1]) for rp in job.ranks]
 
 
-def _timed(row: Dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
-    started = time.monotonic()
-    value = fn()
-    row[name] = 1e3 * (time.monotonic() - started)
-    return value
-
-
-def case_steps(port: int, restarts: int) -> Dict[str, Any]:
-    torch, dist = _init(port)
-    backends = _two_groups(torch, dist)
-    from inprocess.gpu import libraries, nccl_abort
-
-    def release() -> Dict[str, Any]:
-        row: Dict[str, Any] = {}
-        library, why = _timed(row, "find torch's NCCL", libraries.nccl)
-        if library is None or not library.has_revoke:
-            raise RuntimeError(f"no NCCL with ncclCommRevoke: {why or library.version}")
-        _timed(row, "make the device current", lambda: nccl_abort._use_device(library, 0))
-        comms = [_timed(row, f"read communicator {i}", lambda b=b: nccl_abort.communicator(b, 30.0))
-                 for i, b in enumerate(backends)]
-        pointers = [c.pointer for c in comms]
-        _timed(row, "read async errors", lambda: library.async_errors(pointers, 10**10))
-        outcome = _timed(row, "ncclCommRevoke, both grouped",
-                         lambda: library.revoke(pointers, [c.blocking for c in comms], 30 * 10**9))
-        row["revoke status"] = str(outcome.status)
-        for i, b in enumerate(backends):
-            _timed(row, f"torch abort() {i} after the revoke", b.abort)
-        row["nccl"] = ".".join(map(str, libraries.version_tuple(library.version)))
-        return row
-
-    return _on_a_fresh_thread(release)
-
-
-def case_torch_abort_alone(port: int, restarts: int) -> Dict[str, Any]:
-    torch, dist = _init(port)
-    backends = _two_groups(torch, dist)
-
-    def release() -> Dict[str, Any]:
-        row: Dict[str, Any] = {}
-        for i, b in enumerate(backends):
-            _timed(row, f"torch abort() {i}, no revoke", b.abort)
-        return row
-
-    return _on_a_fresh_thread(release)
-
-
-def case_restarts(port: int, restarts: int) -> Dict[str, Any]:
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
-    from inprocess.gpu import nccl_abort
-
-    _init(port)  # the rendezvous variables, and NCCL loaded once before the first timed cycle
-    dist.destroy_process_group()
-    samples: Dict[str, List[float]] = {"init + all_reduce": [], "release": [], "destroy": []}
-    revoked = 0
-    for _ in range(restarts):
-        row: Dict[str, float] = {}
-
-        def init() -> None:
-            dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-            x = torch.ones(1 << 20, device="cuda")
-            dist.all_reduce(x)
-            torch.cuda.synchronize()
-
-        _timed(row, "init + all_reduce", init)
-        backends = [dist.group.WORLD._get_backend(torch.device("cuda"))]
-        report = _timed(row, "release", lambda b=backends: _on_a_fresh_thread(lambda: nccl_abort.release(b, 30.0)))
-        revoked += bool(report.revoked)
-        _timed(row, "destroy", dist.destroy_process_group)
-        gc.collect()
-        for name, ms in row.items():
-            samples[name].append(ms)
-    out: Dict[str, Any] = {"revoked": revoked}
-    for name, values in samples.items():
-        ordered = sorted(values)
-        out[name] = {"p50": statistics.median(values), "p99": ordered[min(len(values) - 1, int(0.99 * len(values)))],
-                     "max": ordered[-1]}
+def build_poll_cap(folder: pathlib.Path) -> pathlib.Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise Skipped("no C compiler to build benchmarks/poll_cap.c")
+    out = folder / "poll_cap.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(HERE / "poll_cap.c"), "-ldl"], check=True,
+                   capture_output=True, timeout=60)
     return out
 
 
-def run_case(case: str, port: int, restarts: int) -> Dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, "--case", case, "--port", str(port), "--restarts", str(restarts)],
-                          capture_output=True, text=True, timeout=120 + 10 * restarts)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"case {case} ended {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.version.cuda is not None else 0
+
+
+def nccl_version() -> tuple[int, ...]:
+    import torch
+
+    return tuple(torch.cuda.nccl.version())
+
+
+# -- the modes ----------------------------------------------------------------------------------
+
+
+def mode_steps(ctx: "Context") -> Dict[str, Any]:
+    ctx.need_gpu()
+    return run_case("steps", {}, log=ctx.log("steps"))
+
+
+def mode_aborts(ctx: "Context") -> Dict[str, Any]:
+    ctx.need_gpu()
+    return run_case("aborts", {"groups": 4, "samples": ctx.samples}, log=ctx.log("aborts"))
+
+
+def mode_sweep(ctx: "Context") -> Dict[str, Any]:
+    ctx.need_gpu()
+    delays = DELAYS[:2] if ctx.smoke else DELAYS
+    return run_case("sweep", {"delays": list(delays), "revokes": [False, True], "samples": ctx.samples},
+                    log=ctx.log("sweep"))
+
+
+def mode_poll_cap(ctx: "Context") -> Dict[str, Any]:
+    shim = build_poll_cap(ctx.scratch)  # built first: on a machine without a GPU, it still shows it builds
+    if ctx.gpus == 0:
+        raise Skipped("needs an NVIDIA GPU and a CUDA build of torch (benchmarks/poll_cap.c built)")
+    arguments = {"delays": [DELAYS[0]], "revokes": [False], "samples": ctx.samples}
+    return {"without": run_case("sweep", arguments), "with 5 ms poll cap": run_case(
+        "sweep", arguments, env={"LD_PRELOAD": str(shim), "POLL_CAP_MS": "5"}, log=ctx.log("poll_cap"))}
+
+
+def mode_multi_rank(ctx: "Context") -> Dict[str, Any]:
+    ctx.need_gpu()
+    n, env = ctx.gpus, {}
+    if n < 2:
+        version = nccl_version()
+        if version < (2, 30):
+            raise Skipped(f"needs 2 GPUs, or NCCL 2.30 or later for two ranks on one GPU (torch's NCCL is "
+                          f"{'.'.join(map(str, version))})")
+        n, env = 2, {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    arguments = {"case": "multi_rank", "gpus": ctx.gpus, "revokes": [False, True], "samples": ctx.samples}
+    return {"ranks": n, "per_rank": run_job(arguments, n, env, ctx.log("multi_rank"))}
+
+
+def mode_restart(ctx: "Context") -> Dict[str, Any]:
+    env: Dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                           "NCCL_NVLS_ENABLE": "0"}
+    ranks, fakes = max(ctx.gpus, 1), ctx.gpus == 0
+    if fakes:
+        env.update(ctx.fake_env())
+    rounds: List[Any] = []
+    for _ in range(1 if ctx.smoke else 2):  # before and after, alternating
+        for overlap in (False, True):
+            arguments = {"case": "restart", "fakes": fakes, "overlap": overlap, "restarts": 2 if ctx.smoke else 4,
+                         "finalize_ms": ctx.finalize_ms}
+            rounds.append(run_job(arguments, ranks, env, None if fakes else ctx.log(f"restart-{overlap}")))
+    return {"ranks": ranks, "fakes": fakes, "finalize_ms": ctx.finalize_ms, "rounds": rounds}
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace, scratch: pathlib.Path):
+        self.smoke = args.smoke
+        self.samples = 1 if args.smoke else args.samples
+        self.out: Optional[pathlib.Path] = pathlib.Path(args.out) if args.out else None
+        self.scratch = scratch
+        self.gpus = gpus()
+        self.finalize_ms = args.finalize_ms
+
+    def need_gpu(self) -> None:
+        if self.gpus == 0:
+            raise Skipped("needs an NVIDIA GPU and a CUDA build of torch")
+
+    def log(self, name: str) -> Optional[pathlib.Path]:
+        if self.out is None:
+            return None
+        (self.out / "nccl-logs").mkdir(parents=True, exist_ok=True)
+        return self.out / "nccl-logs" / name
+
+    def fake_env(self) -> Dict[str, str]:
+        """The fake NCCL (tests/fakes), whose abort takes 1 s (NCCL's proxy poll, modelled)."""
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        try:
+            from fakes.gpu_fakes import build_fakes
+
+            fakes = build_fakes()
+        except BaseException as e:  # pytest's skip when there is no C compiler
+            raise Skipped(f"no GPU, and the fakes could not be built: {e}") from None
+        return {"FAKE_PATHS": json.dumps(fakes.paths), "INPROCESS_LIBNCCL": fakes["nccl"], "FAKE_NCCL_MODE": "ok",
+                "FAKE_NCCL_TEARDOWN_MS": "1000", "FAKE_NCCL_ALONE_DURING_ABORT": "1"}
+
+
+RUNNERS = {"steps": mode_steps, "aborts": mode_aborts, "sweep": mode_sweep, "poll_cap": mode_poll_cap,
+           "multi_rank": mode_multi_rank, "restart": mode_restart}
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def _stats(values: List[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{statistics.median(ordered):8.1f} {ordered[-1]:8.1f}"
+
+
+def print_restart(result: Dict[str, Any]) -> None:
+    print(f"\nrestart ({result['ranks']} rank(s){', fakes: a model, NCCL abort = 1 s' if result['fakes'] else ''}, "
+          f"finalize {result['finalize_ms']} ms)   median / max ms over every rank and restart")
+    columns = ("abort", "finalize", "health_check", "barrier", "teardown_ms", "gate_ms", "decided_to_call",
+               "critical_path")
+    print(f"  {'NCCL teardown':22s}" + "".join(f"{c.removesuffix('_ms'):>18s}" for c in columns))
+    by_overlap: Dict[bool, List[Dict[str, float]]] = {False: [], True: []}
+    for job in result["rounds"]:
+        for rank in job:
+            by_overlap[rank["overlap"]].extend(rank["restarts"])
+    for overlap, records in by_overlap.items():
+        name = "beside (Stage 1)" if overlap else "inside the abort"
+        print(f"  {name:22s}" + "".join(f"{_stats([r[c] for r in records if c in r]):>18s}" for c in columns))
+    before = [r["critical_path"] for r in by_overlap[False]]
+    after = [r["critical_path"] for r in by_overlap[True]]
+    if before and after:
+        print(f"  critical path after / before (medians): {statistics.median(after) / statistics.median(before):.2f}")
+
+
+def _sample_rows(prefix: str, value: Any) -> List[str]:
+    """Every list of samples under `value` (nested dicts and lists of per-rank dicts), one row each."""
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return [f"  {prefix:52s} {_stats([float(v) for v in value]):>18s}"]
+    if isinstance(value, list):
+        return [row for i, v in enumerate(value) for row in _sample_rows(f"{prefix} [{i}]", v)]
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _sample_rows(f"{prefix} {k}".strip(), v)]
+    return []
+
+
+def print_report(results: Dict[str, Any]) -> None:
+    for mode, result in results.items():
+        if "skipped" in result:
+            print(f"{mode:12s} skipped: {result['skipped']}")
+        elif mode == "restart":
+            print_restart(result)
+        elif mode == "steps":
+            for name, value in result.items():
+                print(f"{mode:12s} {name:40s} {value if isinstance(value, str) else f'{value:9.1f} ms'}")
+        else:
+            print(f"\n{mode}   ms, median / max")
+            print("\n".join(_sample_rows("", result)))
 
 
 def main() -> int:
     reaping.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--restarts", type=int, default=20, help="cycles of the restarts case (default 20)")
-    parser.add_argument("--smoke", action="store_true", help="3 restarts: checks that it works")
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=29650, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--samples", type=int, default=3, help="samples per setting (default 3)")
+    parser.add_argument("--finalize-ms", type=int, default=200,
+                        help="the restart mode's finalize hook sleeps this long (a user's finalize; default 200)")
+    parser.add_argument("--out", default=None, help="folder for nccl_release.json and NCCL's logs")
+    parser.add_argument("--smoke", action="store_true", help="one sample, fewer delays and restarts")
     args = parser.parse_args()
-    if args.restarts < 1:
-        parser.error(f"--restarts={args.restarts}: expected >= 1")
-    if args.case:
-        case = {"steps": case_steps, "torch_abort_alone": case_torch_abort_alone, "restarts": case_restarts}
-        print(json.dumps(case[args.case](args.port, args.restarts)), flush=True)
-        os._exit(0)  # the groups were aborted: no teardown that could wait on them
-    restarts = 3 if args.smoke else args.restarts
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or args.samples < 1 or args.finalize_ms < 0:
+        parser.error(f"--modes={args.modes!r} --samples={args.samples} --finalize-ms={args.finalize_ms}: "
+                     f"expected modes of {MODES}, samples >= 1, finalize-ms >= 0")
+    results: Dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="nccl-release-") as scratch:
+        ctx = Context(args, pathlib.Path(scratch))
+        for mode in modes:
+            try:
+                results[mode] = RUNNERS[mode](ctx)
+            except Skipped as e:
+                results[mode] = {"skipped": str(e)}
     import torch
 
-    if not torch.cuda.is_available():
-        print(f"nccl_release: needs an NVIDIA GPU and a CUDA build of torch (torch {torch.__version__}, "
-              "torch.cuda.is_available() is False): nothing measured")
-        return 0
-    from inprocess.launch import free_port
-
-    results = {case: run_case(case, free_port(), restarts) for case in CASES}
-    print(f"torch {torch.__version__}, NCCL {results['steps']['nccl']}, {torch.cuda.get_device_name(0)}; "
-          "one rank, two groups, released from a thread with no device set\n")
-    for case in ("steps", "torch_abort_alone"):
-        for name, value in results[case].items():
-            if isinstance(value, float):
-                print(f"{case:18s} {name:36s} {value:9.1f} ms")
-    print(f"\nrestarts: {restarts} cycles, {results['restarts']['revoked']} revoked   p50 / p99 / max ms")
-    for name in ("init + all_reduce", "release", "destroy"):
-        s = results["restarts"][name]
-        print(f"  {name:18s} {s['p50']:8.1f} {s['p99']:8.1f} {s['max']:8.1f}")
-    print(json.dumps({"benchmark": "nccl_release", "torch": torch.__version__, "restarts": restarts, **results},
-                     separators=(",", ":")), flush=True)
+    print(f"torch {torch.__version__}, {ctx.gpus} GPU(s)"
+          + (f", NCCL {'.'.join(map(str, nccl_version()))}, {torch.cuda.get_device_name(0)}" if ctx.gpus else ""))
+    print_report(results)
+    line = json.dumps({"benchmark": "nccl_release", "torch": torch.__version__, "gpus": ctx.gpus, **results},
+                      separators=(",", ":"))
+    print(line, flush=True)
+    if ctx.out is not None:
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        (ctx.out / "nccl_release.json").write_text(line + "\n")
     return 0
 
 

@@ -19,7 +19,7 @@ from test_torchrun import reap_marked
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 # Modules of benchmarks/ that are not benchmarks (workers, helpers).
 NOT_BENCHMARKS = {"__init__", "latency_worker", "startup_worker", "example_timing", "reaping",
-                  "join_latency_worker"}
+                  "join_latency_worker", "nccl_release_cases"}
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in NOT_BENCHMARKS)
 
 

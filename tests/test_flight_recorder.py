@@ -120,3 +120,35 @@ def test_names_the_analyser_cannot_read_are_refused() -> None:
         flight_recorder.trace_path("fr/{host}/rank_{rank}", 0, 0)
     assert flight_recorder.trace_path("fr/iter_{iteration}/rank_{rank}", 3, 7) == "fr/iter_7/rank_3"
     assert flight_recorder.trace_path("/tmp/fr_{rank}", 3, 7) == "/tmp/fr_3"
+
+
+@pytest.mark.timeout(90)
+def test_the_abort_dumps_on_the_ranks_device(tmp_path: "os.PathLike[str]") -> None:
+    """Issue 30, item 4 (F6): the dump runs on a thread of its own, which never had a device; it
+    reads the collectives' CUDA events, and on a thread without a device the CUDA runtime makes a
+    context on GPU 0. The abort hook makes the rank's device (3, its group's bound device) current
+    on the dump's thread first, and no context appears anywhere (tests/fakes/fake_cuda_contexts.c)."""
+    from fakes.gpu_fakes import build_fakes, skip_where_torch_is_a_cuda_build
+    from test_nccl_release import run_case
+
+    skip_where_torch_is_a_cuda_build()
+    out = run_case(build_fakes(), """
+        import torch._C._distributed_c10d as c10d_native
+        from inprocess import abort as abort_hook
+        from inprocess.state import FrozenState
+        pg = FakeProcessGroupNCCL(fakes, device=3, bound=True)
+        abort_hook.nccl_backends = lambda torch, dist: [pg]
+        seen = []
+
+        def dump_trace(**arguments):  # torch's binding, on the dump's thread
+            seen.append(cuda.fake_cuda_thread_device())
+            return b"trace"
+
+        c10d_native._dump_nccl_trace = dump_trace
+        hook = abort_hook.AbortTorchDistributed(torch_fr_trace_path=os.environ["FR_PATH"])
+        on_trigger_thread(lambda: hook(FrozenState(rank=0, world_size=1, initial_rank=0, initial_world_size=1)))
+        written = os.path.exists(os.environ["FR_PATH"].replace("{rank}", "0"))
+        print(json.dumps({"seen": seen, "created": created(), "written": written}))
+    """, FR_PATH=os.path.join(str(tmp_path), "fr_{rank}"))
+    assert out["seen"] == [3] and out["written"], out
+    assert set(out["created"].values()) == {0}, out

@@ -20,11 +20,13 @@ from inprocess.launch import LocalJob
 
 WORKER = pathlib.Path(__file__).resolve().parent / "workers" / "gpu_settings_worker.py"
 
-README_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+README_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                   "NCCL_NVLS_ENABLE": "0"}
 
 
 def test_the_readme_settings_contradict_nothing() -> None:
     assert settings.contradictions(README_SETTINGS, (2, 28, 9)) == []
+    assert settings.contradictions(README_SETTINGS, (2, 29, 7)) == []  # torch 2.13's NCCL
     assert settings.contradictions({**README_SETTINGS, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, (2, 27, 3)) == []
     nonblocking = {**README_SETTINGS, "TORCH_NCCL_USE_COMM_NONBLOCKING": "1", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "20"}
     assert settings.contradictions(nonblocking, None) == []
@@ -32,9 +34,10 @@ def test_the_readme_settings_contradict_nothing() -> None:
 
 def test_torchs_defaults_contradict_the_async_mode_and_the_rethrow() -> None:
     found = settings.contradictions({}, (2, 28, 9))
-    assert len(found) == 2, found
+    assert len(found) == 3, found
     assert found[0].startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING unset (3): torch's watchdog tears the process down")
     assert found[1].startswith("TORCH_NCCL_RETHROW_CUDA_ERRORS unset (true): after a sticky CUDA error")
+    assert found[2].startswith("NCCL_NVLS_ENABLE unset: NVLink SHARP (NVLS, on NVSwitch systems) is on")
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -43,6 +46,7 @@ def test_torchs_defaults_contradict_the_async_mode_and_the_rethrow() -> None:
     ({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "TRUE"}, "TORCH_NCCL_RETHROW_CUDA_ERRORS='TRUE'"),
     ({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "maybe"}, "TORCH_NCCL_RETHROW_CUDA_ERRORS='maybe'"),
     ({"TORCH_NCCL_USE_COMM_NONBLOCKING": "yes"}, "TORCH_NCCL_NONBLOCKING_TIMEOUT unset"),
+    ({"NCCL_NVLS_ENABLE": "1"}, "NCCL_NVLS_ENABLE='1': NVLink SHARP"),
 ])
 def test_each_contradiction_is_named(env: dict, expected: str) -> None:
     base = dict(README_SETTINGS)
@@ -52,15 +56,22 @@ def test_each_contradiction_is_named(env: dict, expected: str) -> None:
     assert len(found) == 1 and expected in found[0], found
     # torch's getCvar gives the first name priority (Utils.hpp, getCvarBool's loop): TORCH_... wins.
     assert settings.contradictions({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "3",
-                                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}, None) == []
+                                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}, None) == []
 
 
 def test_nccl_releases_with_known_abort_hangs() -> None:
     for version, hint in [((2, 17, 1), "119215"), ((2, 18, 3), "nccl#992"), ((2, 25, 1), "149153")]:
         found = settings.contradictions(README_SETTINGS, version)
         assert len(found) == 1 and hint in found[0], found
-    for version in [(2, 17, 2), (2, 19, 3), (2, 25, 2), (2, 28, 7)]:
+    for version in [(2, 17, 2), (2, 19, 3), (2, 25, 2), (2, 28, 2), (2, 28, 9), (2, 29, 7), (2, 30, 7)]:
         assert settings.contradictions(README_SETTINGS, version) == []
+
+
+def test_nccl_2_28_3_to_2_28_8_are_warned_against() -> None:
+    """nvidia_resiliency_ext warns against these releases for in-process restart (issue 30, item 5)."""
+    for version in [(2, 28, 3), (2, 28, 7), (2, 28, 8)]:
+        found = settings.contradictions(README_SETTINGS, version)
+        assert len(found) == 1 and "2.28.3 to 2.28.8" in found[0] and "2.28.9 or later" in found[0], found
 
 
 def test_warns_once_per_process_and_only_where_nccl_is_in_use(caplog: pytest.LogCaptureFixture) -> None:
@@ -70,7 +81,7 @@ def test_warns_once_per_process_and_only_where_nccl_is_in_use(caplog: pytest.Log
             assert settings.warn_once({}, in_use=False) == []
             assert caplog.text == ""
             settings._forget()
-            assert len(settings.warn_once({}, in_use=True, nccl_version=(2, 28, 9))) == 2
+            assert len(settings.warn_once({}, in_use=True, nccl_version=(2, 28, 9))) == 3
             assert settings.warn_once({}, in_use=True, nccl_version=(2, 28, 9)) == []
         assert caplog.text.count("works against an in-process restart on GPUs") == 1
     finally:

@@ -238,10 +238,9 @@ def test_release_revokes_then_lets_torch_abort(nccl: _native.NcclLibrary, fakes:
     try:
         comms.block_collectives()
         backends = [FakeBackend(p) for p in comms.pointers] + [FakeBackend()]
-        report = nccl_abort.release(backends, 5.0)
+        report = nccl_abort.release(backends, 5.0, revoke=True)
         comms.join()
         assert report.revoked and report.pointers == 2 and report.torch_aborted == 3
-        assert report.async_errors == [0, 0]
         assert len(comms.released) == 2 and all(b.aborted.is_set() for b in backends)
         assert [comms.state(i) for i in range(2)] == [2, 2]  # torch, not us, frees them
     finally:
@@ -251,7 +250,7 @@ def test_release_revokes_then_lets_torch_abort(nccl: _native.NcclLibrary, fakes:
 @pytest.mark.timeout(30)
 def test_release_raises_at_the_deadline_when_torch_abort_hangs(nccl: _native.NcclLibrary) -> None:
     started = time.monotonic()
-    with pytest.raises(NcclAbortTimeout, match="did not return within 0.3s"):
+    with pytest.raises(NcclAbortTimeout, match="did not return by its deadline"):
         nccl_abort.release([FakeBackend(hang_s=10)], 0.3)
     assert time.monotonic() - started < 0.3 + SLACK_S
 
@@ -262,7 +261,7 @@ def test_release_without_a_libnccl_falls_back_to_torch(monkeypatch: pytest.Monke
     libraries.forget()
     monkeypatch.setattr(_native.NcclLibrary, "find_loaded", staticmethod(lambda: None))
     backend = FakeBackend(pointer=1234)  # a pointer, but no shared libnccl to revoke it with
-    report = nccl_abort.release([backend], 1.0)
+    report = nccl_abort.release([backend], 1.0, revoke=True)
     assert not report.revoked and report.torch_aborted == 1 and backend.aborted.is_set()
     libraries.forget()
 

@@ -93,7 +93,7 @@ def test_revoke_on_the_ranks_own_device(fakes: Fakes) -> None:
     out = run_case(fakes, """
         pg = FakeProcessGroupNCCL(fakes, device=3)
         pg.launch_kernel()
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0, revoke=True))
         print(json.dumps({"pointers": report.pointers, "revoked": report.revoked, "device": report.device,
                           "skipped": report.skipped, "state": pg.state(), "aborted": report.torch_aborted}))
     """)
@@ -106,7 +106,7 @@ def test_revoke_on_the_ranks_own_device(fakes: Fakes) -> None:
 def test_the_device_comes_from_the_bound_group_first(fakes: Fakes) -> None:
     out = run_case(fakes, """
         pg = FakeProcessGroupNCCL(fakes, device=5, bound=True)
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0, revoke=True))
         print(json.dumps({"pointers": report.pointers, "device": report.device, "created": created()}))
     """, FAKE_CUDA_ACTIVE_DEVICES="5")
     assert out["device"] == 5 and out["pointers"] == 1
@@ -123,7 +123,7 @@ def test_no_context_is_created_on_another_gpu(fakes: Fakes) -> None:
     out = run_case(fakes, """
         pg = FakeProcessGroupNCCL(fakes, device=3)
         pg.launch_kernel()
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 5.0, revoke=True))
         print(json.dumps({"revoked": report.revoked, "created": created(), "device_message": report.device_message}))
     """)
     assert out["revoked"] and out["device_message"] == ""
@@ -155,7 +155,7 @@ def test_a_held_group_mutex_does_not_hang_the_release(fakes: Fakes) -> None:
         pg.hold_mutex()  # a previous abort of this group is stuck inside NCCL
         started = time.monotonic()
         try:
-            on_trigger_thread(lambda: nccl_abort.release([pg], 1.0))
+            on_trigger_thread(lambda: nccl_abort.release([pg], 1.0, revoke=True))
             outcome = "returned"
         except NcclAbortTimeout as e:
             outcome = "timeout"
@@ -166,17 +166,19 @@ def test_a_held_group_mutex_does_not_hang_the_release(fakes: Fakes) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_non_blocking_communicator_not_ready_is_left_to_torch(fakes: Fakes) -> None:
+def test_a_non_blocking_communicator_is_left_to_torch(fakes: Fakes) -> None:
     """Item 2, non-blocking: getNcclComm() waits while the communicator is in
     progress (NCCLUtils.cpp, NCCLComm::getNcclComm/waitReady,
     cyyever/pytorch@18ddaae4), for up to TORCH_NCCL_NONBLOCKING_TIMEOUT, with
-    the GIL held. _is_initialized() (GIL released) is false until then."""
+    the GIL held; and completing its revoke takes ncclCommGetAsyncError calls,
+    which on a non-blocking communicator complete and free its group job
+    (issue 30, item 4). Ready or not, it is left to torch's abort: no pointer read."""
     out = run_case(fakes, """
         pg = FakeProcessGroupNCCL(fakes, device=3, blocking=False, ready=False)
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 2.0))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 2.0, revoke=True))
         print(json.dumps({"pointers": report.pointers, "skipped": report.skipped, "aborted": report.torch_aborted}))
     """, timeout=20)
-    assert out["pointers"] == 0 and "no communicator ready" in out["skipped"][0] and out["aborted"] == 1
+    assert out["pointers"] == 0 and "non-blocking" in out["skipped"][0] and out["aborted"] == 1
 
 
 @pytest.mark.timeout(90)
@@ -204,17 +206,18 @@ def test_revokes_of_groups_sharing_a_stream_are_grouped(fakes: Fakes) -> None:
 @pytest.mark.timeout(90)
 def test_blocking_and_non_blocking_communicators_are_revoked_in_two_groups(fakes: Fakes) -> None:
     """NCCL refuses a group mixing blocking and non-blocking communicators
-    (nccl src/group.cc lines 54-62): each kind gets its own group."""
+    (nccl src/group.cc lines 54-62): the native revoke gives each kind its own group."""
     out = run_case(fakes, """
         a = FakeProcessGroupNCCL(fakes, device=3, stream=7)
         b = FakeProcessGroupNCCL(fakes, device=3, stream=7, blocking=False)
         a.launch_kernel(); b.launch_kernel()
-        report = on_trigger_thread(lambda: nccl_abort.release([a, b], 5.0))
-        print(json.dumps({"revoked": report.revoked, "pointers": report.pointers, "errors": report.errors,
+        library.use_device(None, -1)
+        outcome = library.revoke([a.comm, b.comm], [True, False], 2_000_000_000)
+        print(json.dumps({"status": outcome.status.name, "message": outcome.message,
                           "states": [a.state(), b.state()]}))
     """, timeout=20)
-    assert out["pointers"] == 2 and out["revoked"] and out["errors"] == [], out
-    assert [s & 1 for s in out["states"]] == [1, 1]
+    assert out["status"] == "DONE", out
+    assert [s & 2 for s in out["states"]] == [2, 2]
 
 
 @pytest.mark.timeout(90)
@@ -248,7 +251,7 @@ def test_a_communicator_torchs_watchdog_frees_is_never_touched(fakes: Fakes) -> 
         pg = FakeProcessGroupNCCL(fakes, device=3, async_error_handling=2)
         pg.fail(6, free_right_after_comm_ptr=True)
         assert pg.wait_error_seen()
-        report = on_trigger_thread(lambda: nccl_abort.release([pg], 3.0))
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 3.0, revoke=True))
         print(json.dumps({"pointers": report.pointers, "skipped": report.skipped, "aborted": report.torch_aborted}))
     """, timeout=20)
     assert out["pointers"] == 0 and "COMM_ERROR" in out["skipped"][0] and out["aborted"] == 1
@@ -391,3 +394,86 @@ def test_the_restart_thread_can_be_bound_before_the_release(fakes: Fakes) -> Non
     """)
     assert out["before"] == -1 and out["message"] == "" and out["after"] == RANK_DEVICE
     assert set(out["created"].values()) == {0}
+
+
+# -- issue 30, items 3 and 4: what the release does not do by default ---------------------------
+
+
+@pytest.mark.timeout(90)
+def test_the_default_release_reads_no_pointer(fakes: Fakes) -> None:
+    """Issue 30, item 4 (F2): ``_comm_ptr()`` holds the GIL and takes the group's mutex (init.cpp
+    binds it without a call_guard, cyyever/pytorch@03a5d6de), and torch's watchdog may take that
+    mutex right after ``_is_initialized()`` said it was free: nothing could then end the call. The
+    default release (no revoke) reads no pointer at all; torch's abort releases the group."""
+    out = run_case(fakes, """
+        pg = FakeProcessGroupNCCL(fakes, device=3, bound=True)
+        pg.take_mutex_after_check()
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 3.0))
+        print(json.dumps({"pointers": report.pointers, "aborted": report.torch_aborted, "state": pg.state()}))
+    """, timeout=20)
+    assert out["pointers"] == 0 and out["aborted"] == 1 and out["state"] & 1, out
+
+
+@pytest.mark.timeout(90)
+def test_with_revoke_the_pointers_read_can_block_every_thread(fakes: Fakes) -> None:
+    """The case above with ``revoke=True``, where the pointer is read: the process stops running
+    Python (the deadline's thread included) and is killed at the test's limit. This is why revoke
+    is off by default (docs/gpu.md); a revoking rank is bounded only by its hard timeout."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_case(fakes, """
+            pg = FakeProcessGroupNCCL(fakes, device=3, bound=True)
+            pg.take_mutex_after_check()
+            on_trigger_thread(lambda: nccl_abort.release([pg], 3.0, revoke=True))
+            print(json.dumps({}))
+        """, timeout=8)
+
+
+@pytest.mark.timeout(90)
+def test_no_ncclCommGetAsyncError_is_made_outside_torchs_lock(fakes: Fakes) -> None:
+    """Issue 30, item 4 (F4): torch reads ``ncclCommGetAsyncError`` under the communicator's
+    mutex (NCCLComm::checkForNcclError); on a non-blocking communicator the call completes and
+    frees the group job linked to it (nccl src/init.cc v2.29.7-1 lines 3107-3110), so two callers
+    without that mutex can both free it. The release makes none: not by default, not with revoke
+    (the non-blocking group is left to torch's abort, and with it every group)."""
+    out = run_case(fakes, """
+        lib = ctypes.CDLL(fakes["nccl"], mode=os.RTLD_NOLOAD)
+        lib.fake_nccl_async_error_calls.argtypes = [ctypes.c_void_p]
+        lib.fake_nccl_async_error_calls.restype = ctypes.c_long
+        a = FakeProcessGroupNCCL(fakes, device=3, stream=7, bound=True)
+        b = FakeProcessGroupNCCL(fakes, device=3, stream=7, blocking=False, bound=True)
+        revoking = on_trigger_thread(lambda: nccl_abort.release([a, b], 3.0, revoke=True))
+        c = FakeProcessGroupNCCL(fakes, device=3, bound=True)
+        default = on_trigger_thread(lambda: nccl_abort.release([c], 3.0))
+        print(json.dumps({"calls": [lib.fake_nccl_async_error_calls(pg.comm) for pg in (a, b, c)],
+                          "aborted": revoking.torch_aborted + default.torch_aborted, "revoked": revoking.revoked}))
+    """, timeout=20)
+    assert out == {"calls": [0, 0, 0], "aborted": 3, "revoked": False}
+
+
+P2P_HAZARD = """
+    pg = FakeProcessGroupNCCL(fakes, device=3, stream=7, bound=True)
+    p2p = pg.add_p2p(stream=7)
+    pg.launch_p2p_kernel()  # a send whose recv never comes, ahead on the stream
+    pg.launch_kernel()  # the collective queued behind it
+    try:
+        report = on_trigger_thread(lambda: nccl_abort.release([pg], 1.5{revoke}))
+        outcome = f"released: {{report.torch_aborted}} aborted"
+    except NcclAbortTimeout as e:
+        outcome = f"timeout: {{e}}"
+    print(json.dumps({{"outcome": outcome, "states": [pg.state(), pg._nccl.fake_nccl_comm_state(p2p)]}}))
+    sys.stdout.flush()
+    os._exit(0)  # a revoke still waits for the stream on a native thread
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_p2p_kernel_ahead_on_the_stream_holds_a_revoke_not_torchs_abort(fakes: Fakes) -> None:
+    """Issue 30, item 3: torch's send/recv use a point-to-point communicator that ``_comm_ptr()``
+    does not return (getKeySendRecv beside getKeyFromDevice); its kernel, stuck ahead of a
+    collective on the same stream, holds the revoke's wait for the stream (ncclCommRevoke's job
+    synchronizes the streams, nccl src/init.cc v2.29.7-1 lines 2608-2620) until the deadline:
+    exit 75. torch's abort alone aborts the P2P communicator too and releases both: the default."""
+    default = run_case(fakes, P2P_HAZARD.format(revoke=""), timeout=20)
+    assert default["outcome"] == "released: 1 aborted" and [s & 1 for s in default["states"]] == [1, 1], default
+    revoking = run_case(fakes, P2P_HAZARD.format(revoke=", revoke=True"), timeout=20)
+    assert revoking["outcome"].startswith("timeout: ncclCommRevoke of 1 communicators"), revoking

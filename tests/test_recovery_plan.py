@@ -83,7 +83,7 @@ def test_a_shift_ranks_shrink_renumbers_the_survivors_and_the_lost_rank_leaves()
     assert [(x.old_active_rank, x.new_active_rank) for x in p] == [(0, 0), (1, None), (2, 1), (3, 2)]
     for x in p:
         assert (x.new_world_size, x.new_active_world_size) == (3, 3)
-        assert x.release == frozenset()  # today: every restart releases all of it before its decision
+        assert x.release == {Resource.NCCL_TEARDOWN}  # once the decision is known: NCCL's teardown
     assert [x.state_source for x in p] == [StateSource.MEMORY, None, StateSource.MEMORY, StateSource.MEMORY]
     assert p[3].environment() == {"RANK": "2", "WORLD_SIZE": "3"}
     assert p[1].leaves and not p[1].active and p[1].new_mode == Mode.TERMINATED
@@ -171,14 +171,16 @@ def test_the_leave_rule_and_the_seating_of_joiners() -> None:
 
 
 def test_the_release_schedule_is_the_plans_instruction() -> None:
-    assert released_at(Moment.BEFORE_DECISION) == frozenset(Resource)  # today: all of it, before the decision
-    assert released_at(Moment.AFTER_DECISION) == frozenset()
+    # The groups and the store client before the barrier; NCCL's teardown, started by the abort, once it is over.
+    assert released_at(Moment.BEFORE_DECISION) == {Resource.PROCESS_GROUPS, Resource.ITERATION_STORE}
+    assert released_at(Moment.AFTER_DECISION) == {Resource.NCCL_TEARDOWN}
     later = dict(RELEASE_SCHEDULE, **{})
     later[Resource.PROCESS_GROUPS] = Moment.AFTER_DECISION
     assert released_at(Moment.BEFORE_DECISION, later) == {Resource.ITERATION_STORE}
     d0, d1 = decisions(DEFAULT, 4, {1})
     for r in range(4):  # once the decision is known, every rank releases it, the one that leaves too
-        assert RecoveryPlan.for_rank(d0.membership, d1, r, later).release == {Resource.PROCESS_GROUPS}
+        assert RecoveryPlan.for_rank(d0.membership, d1, r, later).release == {Resource.PROCESS_GROUPS,
+                                                                              Resource.NCCL_TEARDOWN}
     assert RecoveryPlan.for_rank(None, d0, 0, later).release == frozenset()  # nothing ran before the start
 
 
@@ -186,7 +188,7 @@ def test_a_plans_fields_say_what_the_rank_does() -> None:
     d0, d1 = decisions(ONE_SPARE, 4, {1})
     fields = RecoveryPlan.for_rank(d0.membership, d1, 3).fields()
     assert fields == {"transition": "activate", "rank": [3, 2], "active_rank": [None, 2], "state": "user",
-                      "release": []}
+                      "release": ["nccl_teardown"]}
 
 
 def test_transitions_cover_every_pair_of_modes() -> None:

@@ -346,7 +346,7 @@ def _worker_own_device() -> None:
     seen: Dict[str, Any] = {}
 
     def release() -> None:
-        report = nccl_abort.release(backends, 30.0)
+        report = nccl_abort.release(backends, 30.0, revoke=True)  # the revoke's own path, opt-in
         seen.update(pointers=report.pointers, revoked=bool(report.revoked))
 
     t = time.monotonic()

@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 from .engine import pg_tracker
-from .gpu import flight_recorder, nccl_abort
+from .gpu import flight_recorder, nccl_abort, nccl_reaper
 from .state import FrozenState
 
 log = logging.getLogger("inprocess")
@@ -50,12 +50,25 @@ class AbortTorchDistributed(Abort):
     once in ten restarts).
 
     NCCL backends are released within ``nccl_timeout`` (see
-    :mod:`inprocess.gpu.nccl_abort`): revoked by pointer first where the
-    loaded NCCL has ``ncclCommRevoke``, then aborted by torch on a thread of
-    their own. An abort still running at the deadline raises
-    :class:`~inprocess.gpu.NcclAbortTimeout` instead of hanging the restart;
-    the rank then leaves the job (exit status 75, without touching torch's
-    groups again: the abandoned abort holds their locks).
+    :mod:`inprocess.gpu.nccl_abort`): torch's ``abort()`` of every backend
+    starts at once, each on a thread of its own. With ``overlap_teardown``
+    (the default) the hook returns once every abort has started, and the
+    aborts finish while the restart goes on (finalize, health check, barrier):
+    the restart waits for them before the function runs again
+    (:mod:`inprocess.gpu.nccl_reaper`). ``overlap_teardown=False`` waits for
+    them here, as a restart did before (for a finalize or health-check hook
+    that calls NCCL itself, which must not run beside an abort). An abort
+    still running at the deadline raises
+    :class:`~inprocess.gpu.NcclAbortTimeout`; the rank then leaves the job
+    (exit status 75, without touching torch's groups again: the abandoned
+    abort holds their locks).
+
+    ``revoke=True`` revokes the blocking communicators first
+    (``ncclCommRevoke``, NCCL 2.28.7 and later). It is off by default: no
+    measurement shows it shortening a release, and a point-to-point kernel
+    stuck ahead of a collective on the same stream (torch's ``send``/``recv``
+    use communicators the revoke cannot reach) holds the revoke until the
+    deadline (exit 75), where torch's abort alone releases it.
 
     ``torch_fr_trace_path`` (as in NVRx 0.5+): before aborting, torch's NCCL
     flight recorder is written there (``{rank}`` and ``{iteration}`` are filled
@@ -68,7 +81,8 @@ class AbortTorchDistributed(Abort):
         torch_fr_trace_path: Optional[str] = None,
         nccl_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
         fr_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
-        revoke: bool = True,
+        revoke: bool = False,
+        overlap_teardown: bool = True,
     ):
         values: Dict[str, object] = {"nccl_timeout": nccl_timeout, "fr_timeout": fr_timeout}
         for name, value in values.items():
@@ -83,6 +97,7 @@ class AbortTorchDistributed(Abort):
         self.nccl_timeout = nccl_timeout
         self.fr_timeout = fr_timeout
         self.revoke = revoke
+        self.overlap_teardown = overlap_teardown
 
     def __call__(self, state: FrozenState) -> FrozenState:
         try:
@@ -92,20 +107,33 @@ class AbortTorchDistributed(Abort):
             return state
         if not dist.is_available():
             return state
+        backends = nccl_backends(torch, dist)
         if self.torch_fr_trace_path is not None:
             path = flight_recorder.trace_path(self.torch_fr_trace_path, state.initial_rank, state.iteration)
-            flight_recorder.dump(path, self.fr_timeout.total_seconds())
+            # On the rank's device: the dump reads the state of CUDA events, and on a thread with no
+            # device the CUDA runtime would make a context on GPU 0 for it.
+            flight_recorder.dump(path, self.fr_timeout.total_seconds(),
+                                 bind=lambda: nccl_abort.bind_rank_device(backends))
         released = pg_tracker.release_connections()
-        if dist.is_initialized():
-            from torch.distributed import distributed_c10d as c10d
-
-            backends = [b for g in list(c10d._world.pg_map.keys()) for b in _non_gloo_backends(g, torch)]
-            if backends:
-                report = nccl_abort.release(backends, self.nccl_timeout.total_seconds(), self.revoke)
-                for error in report.errors:  # a communicator already broken by the fault
-                    log.debug("NCCL release: %s", error)
+        if backends:
+            timeout = self.nccl_timeout.total_seconds()
+            if self.overlap_teardown:
+                report = nccl_reaper.REAPER.hand_over(backends, timeout, self.revoke)
+            else:
+                report = nccl_abort.release(backends, timeout, self.revoke)
+            for error in report.errors:  # a communicator already broken by the fault
+                log.debug("NCCL release: %s", error)
         log.debug("aborted torch.distributed (%d gloo connections shut down)", released)
         return state
+
+
+def nccl_backends(torch: Any, dist: Any) -> List[Any]:
+    """The backends of every registered process group that torch's NCCL abort must reach."""
+    if not dist.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d as c10d
+
+    return [b for g in list(c10d._world.pg_map.keys()) for b in _non_gloo_backends(g, torch)]
 
 
 def _non_gloo_backends(group: object, torch: Any) -> List[Any]:

@@ -32,6 +32,29 @@
  *   (creating it where it is not active, as cudaSetDevice does since CUDA 12).
  *   Without FAKE_NCCL_LIBCUDA the device is a thread-local number.
  *
+ * - ncclCommAbort returns only once the communicator's proxy threads have
+ *   exited, and they read the abort flag only before each poll of 500 ms
+ *   (src/proxy.cc v2.29.7-1, the service thread's poll at line 1663, the UDS
+ *   thread's at line 1835): the kernels end at the call, the call itself
+ *   lasts up to a poll boundary. FAKE_NCCL_TEARDOWN_MS (default 0) is that
+ *   wait, spent after the kernels were released and the communicator freed.
+ * - No NCCL call may run beside an abort: "make sure no thread is calling any
+ *   NCCL operations while calling ncclCommAbort" (docs/userguide/source/
+ *   usage/communicators.rst, Fault Tolerance, v2.30.7-1). ncclCommAbort calls
+ *   running at once on different communicators are allowed here: torch aborts
+ *   each group on a thread of its own, NCCL's source handles aborts from
+ *   several threads since 2.19.1 (NVIDIA/nccl#992), though its documentation
+ *   does not promise it (usage/threadsafety.rst). Any other call (a communicator's creation, a kernel launch,
+ *   ncclCommGetAsyncError, ncclCommRevoke) made while an abort runs is
+ *   counted (fake_nccl_calls_beside_abort) and, with
+ *   FAKE_NCCL_ALONE_DURING_ABORT=1, aborts the process with "called while an
+ *   abort runs".
+ * - ncclCommGetAsyncError on a non-blocking communicator completes and frees
+ *   the group job linked to it (src/init.cc v2.29.7-1 lines 3107-3110; linked
+ *   by a non-blocking group end only, src/group.cc lines 796-823): two callers
+ *   that do not share torch's communicator mutex can both complete it.
+ *   fake_nccl_async_error_calls counts the calls per communicator.
+ *
  * FAKE_NCCL_MODE, read at every call:
  *   ok                 as above
  *   abort_hangs        ncclCommAbort never returns
@@ -73,6 +96,7 @@ struct ncclComm {
   int kernels;      /* kernels launched and not ended */
   int has_error;
   ncclResult_t error;
+  long async_error_calls;
 };
 
 enum job_kind { JOB_ABORT, JOB_REVOKE };
@@ -92,6 +116,8 @@ static __thread ncclResult_t g_group_error;
 static __thread int g_thread_device; /* without a driver */
 static long g_group_ends;
 static int g_streams_released; /* test clean-up: every stream wait returns */
+static int g_aborts_running;    /* ncclCommAbort calls whose job has not finished */
+static long g_calls_beside_abort;
 
 static int mode_is(const char* m) {
   const char* mode = getenv("FAKE_NCCL_MODE");
@@ -108,6 +134,24 @@ static void check_live(const struct ncclComm* c, const char* call) {
     fflush(stderr);
     abort();
   }
+}
+
+/* A call other than ncclCommAbort while an abort runs: counted, and fatal with
+ * FAKE_NCCL_ALONE_DURING_ABORT=1. Called with g_mu held. */
+static void check_alone(const char* call) {
+  if (g_aborts_running == 0) return;
+  g_calls_beside_abort++;
+  const char* strict = getenv("FAKE_NCCL_ALONE_DURING_ABORT");
+  if (strict != NULL && strcmp(strict, "1") == 0) {
+    fprintf(stderr, "fake NCCL: %s called while an abort runs\n", call);
+    fflush(stderr);
+    abort();
+  }
+}
+
+static long env_ms(const char* name) {
+  const char* v = getenv(name);
+  return v ? atol(v) : 0;
 }
 
 /* ---- the device, through the (fake) CUDA driver, as cudart does ---- */
@@ -172,6 +216,7 @@ struct ncclComm* fake_nccl_comm_create_on(int device, int blocking, int stream) 
   c->blocking = blocking;
   c->stream = stream;
   pthread_mutex_lock(&g_mu);
+  check_alone("a communicator's creation (ncclCommInitRankConfig)");
   if (g_all_count < 4096) g_all[g_all_count++] = c;
   pthread_mutex_unlock(&g_mu);
   return c;
@@ -202,6 +247,27 @@ void fake_nccl_set_async_error(struct ncclComm* c, int error) {
   pthread_mutex_unlock(&g_mu);
 }
 
+long fake_nccl_calls_beside_abort(void) {
+  pthread_mutex_lock(&g_mu);
+  long n = g_calls_beside_abort;
+  pthread_mutex_unlock(&g_mu);
+  return n;
+}
+
+int fake_nccl_aborts_running(void) {
+  pthread_mutex_lock(&g_mu);
+  int n = g_aborts_running;
+  pthread_mutex_unlock(&g_mu);
+  return n;
+}
+
+long fake_nccl_async_error_calls(struct ncclComm* c) {
+  pthread_mutex_lock(&g_mu);
+  long n = c->async_error_calls;
+  pthread_mutex_unlock(&g_mu);
+  return n;
+}
+
 long fake_nccl_group_ends(void) {
   pthread_mutex_lock(&g_mu);
   long n = g_group_ends;
@@ -213,6 +279,7 @@ long fake_nccl_group_ends(void) {
 void fake_nccl_kernel_launch(struct ncclComm* c) {
   pthread_mutex_lock(&g_mu);
   check_live(c, "kernel launch");
+  check_alone("a kernel launch (a collective)");
   c->kernels++;
   pthread_mutex_unlock(&g_mu);
 }
@@ -261,6 +328,19 @@ static int stream_idle(const struct ncclComm* c) {
   return 1;
 }
 
+/* An abort's job has run (or was dropped by a failed group end): the
+ * proxy threads' exit first, when `teardown` (see FAKE_NCCL_TEARDOWN_MS). */
+static void abort_done(int teardown) {
+  long ms = teardown ? env_ms("FAKE_NCCL_TEARDOWN_MS") : 0;
+  if (ms > 0) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  pthread_mutex_lock(&g_mu);
+  g_aborts_running--;
+  pthread_mutex_unlock(&g_mu);
+}
+
 static void run_job(struct job j) {
   cudart_set_device(j.comm->device);
   pthread_mutex_lock(&g_mu);
@@ -278,6 +358,7 @@ static void run_job(struct job j) {
   j.comm->in_progress = 0;
   pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
+  if (j.kind == JOB_ABORT) abort_done(1);
 }
 
 struct job_batch {
@@ -319,6 +400,9 @@ static ncclResult_t group_end(int counted) {
   if (counted) g_group_ends++;
   pthread_mutex_unlock(&g_mu);
   if (error != kSuccess || batch->count == 0) { /* groupCleanup: nothing runs */
+    for (int i = 0; i < batch->count; ++i) {
+      if (batch->jobs[i].kind == JOB_ABORT) abort_done(0);
+    }
     if (batch != &local) free(batch);
     return error;
   }
@@ -377,6 +461,9 @@ const char* ncclGetErrorString(ncclResult_t result) {
 #ifndef FAKE_NCCL_OMIT_ABORT
 ncclResult_t ncclCommAbort(struct ncclComm* c) {
   if (c == NULL) return kSuccess;
+  pthread_mutex_lock(&g_mu);
+  g_aborts_running++; /* until its job has run (abort_done) */
+  pthread_mutex_unlock(&g_mu);
   if (mode_is("abort_hangs")) hang_forever();
   pthread_mutex_lock(&g_mu);
   check_live(c, "ncclCommAbort");
@@ -390,6 +477,8 @@ ncclResult_t ncclCommAbort(struct ncclComm* c) {
 ncclResult_t ncclCommGetAsyncError(struct ncclComm* c, ncclResult_t* error) {
   pthread_mutex_lock(&g_mu);
   check_live(c, "ncclCommGetAsyncError");
+  check_alone("ncclCommGetAsyncError");
+  c->async_error_calls++;
   if (c->in_progress || (c->revoked && (mode_is("revoke_stuck") || c->revoke_polls > 0))) {
     if (c->revoke_polls > 0) c->revoke_polls--;
     *error = kInProgress;
@@ -409,6 +498,7 @@ ncclResult_t ncclCommRevoke(struct ncclComm* c, int flags) {
   if (flags != 0) return kInvalidArgument;
   pthread_mutex_lock(&g_mu);
   check_live(c, "ncclCommRevoke");
+  check_alone("ncclCommRevoke");
   if (c->revoked) { /* "Disallow revoke if revoke in progress" */
     pthread_mutex_unlock(&g_mu);
     return kInvalidArgument;

@@ -19,6 +19,11 @@ abortComms line 1118):
   its communicators inside one ncclGroupStart/End (NCCL 2.22 and later), each
   under its device's guard (``NCCLComm::abort``: OptionalCUDAGuard; a
   communicator already aborted is skipped).
+- Point-to-point communicators: a ``send``/``recv`` between two ranks makes a
+  communicator of its own, kept in ``devNCCLCommMap_`` under the pair's key
+  (``getKeySendRecv``) beside the collective one (``getKeyFromDevice``).
+  ``getCommPtr()`` returns the collective one only; ``abortComms()`` aborts
+  every communicator of the map.
 - The watchdog (``Watchdog::runLoop``) reads ``ncclCommGetAsyncError`` under the
   communicator's mutex; on an error it sets ``error_``, sleeps
   ``getDumpTimeout() * 4`` (``dump_wait_s`` here) and, when
@@ -107,6 +112,8 @@ class FakeProcessGroupNCCL:
         self._comm_ptr_read = threading.Event()
         self._free_right_after_comm_ptr = False
         self._watchdog: Optional[threading.Thread] = None
+        self.p2p: list[int] = []  # point-to-point communicators (devNCCLCommMap_'s send/recv keys)
+        self._mutex_taken_after_check = False
 
     def __repr__(self) -> str:
         return f"FakeProcessGroupNCCL(device={self.device})"
@@ -126,7 +133,14 @@ class FakeProcessGroupNCCL:
         return ptr
 
     def _is_initialized(self) -> bool:
-        return bool(self._c10d.fake_pg_is_initialized(self._pg))
+        ready = bool(self._c10d.fake_pg_is_initialized(self._pg))
+        if self._mutex_taken_after_check:
+            # The interleaving torch allows: another thread (the watchdog aborting the group on an
+            # error it has just seen, a creation) takes the group's mutex the moment this returned.
+            taken = threading.Event()
+            threading.Thread(target=lambda: (self._c10d.fake_pg_lock(self._pg), taken.set()), daemon=True).start()
+            taken.wait(5)
+        return ready
 
     def get_error(self) -> ErrorType:
         with self._error_mutex:
@@ -150,6 +164,20 @@ class FakeProcessGroupNCCL:
         marks a non-blocking one initialized once it is ready."""
         self._c10d.fake_pg_comm_ptr(self._pg, self.device)
         self._nccl.fake_nccl_kernel_launch(self.comm)
+
+    def add_p2p(self, stream: int) -> int:
+        """A point-to-point communicator of this group (a ``send``/``recv``'s), on `stream`."""
+        comm = int(self._nccl.fake_nccl_comm_create_on(self.device, 1, stream))
+        self.p2p.append(comm)
+        return comm
+
+    def launch_p2p_kernel(self, i: int = 0) -> None:
+        """A ``send`` whose peer never posts its ``recv``: it runs until its communicator is aborted."""
+        self._nccl.fake_nccl_kernel_launch(self.p2p[i])
+
+    def take_mutex_after_check(self) -> None:
+        """From now on the group's mutex is taken (and kept) right after ``_is_initialized()`` returns."""
+        self._mutex_taken_after_check = True
 
     def hold_mutex(self) -> None:
         """What a hung abortComms() (or a creation) does: the group's mutex stays taken."""
@@ -184,6 +212,8 @@ class FakeProcessGroupNCCL:
                     # NCCLComm::abort's OptionalCUDAGuard: this thread on the communicator's device.
                     self._nccl.fake_cudart_set_device(self.device)
                     self._nccl.ncclCommAbort(self.comm)
+                    for comm in self.p2p:
+                        self._nccl.ncclCommAbort(comm)
                     self._c10d.fake_pg_mark_aborted(self._pg, self.device)
             self._nccl.ncclGroupEnd()
         finally:

@@ -70,6 +70,17 @@ def skip_where_torch_loaded_nccl() -> None:
                     "of `python tools/gpu_acceptance.py` tests the real one")
 
 
+def skip_where_torch_is_a_cuda_build() -> None:
+    """For a case run in a child process that imports torch beside the fake libnccl: skipped where
+    torch is a CUDA build, whose import loads its own NCCL (see :func:`skip_where_torch_loaded_nccl`).
+    The check is on the build, not on this process, which may hold a fake libnccl of another test."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip(f"torch {torch.__version__} is a CUDA build: its import loads its own NCCL, beside which the "
+                    "fake libnccl cannot be loaded; run with a CPU build of torch, as CI does")
+
+
 def build_fakes() -> Fakes:
     """Compiles every variant once per process; skips the calling test when no
     C compiler is available (the reason names what is missing)."""

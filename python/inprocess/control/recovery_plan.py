@@ -61,6 +61,9 @@ class Resource(enum.Enum):
 
     PROCESS_GROUPS = "process_groups"  # the torch.distributed groups the iteration created (engine/pg_tracker.py)
     ITERATION_STORE = "iteration_store"  # the function's store client of the iteration (CallWrapper.store)
+    # NCCL's teardown of the iteration's communicators: started by the abort on a reaper's threads,
+    # released when it is over (gpu/nccl_reaper.py); no NCCL of the next iteration runs before.
+    NCCL_TEARDOWN = "nccl_teardown"
 
 
 class Moment(enum.Enum):
@@ -77,12 +80,15 @@ class StateSource(enum.Enum):
     USER = "user"  # the rank was not: the user's code loads it (from a checkpoint, from storage)
 
 
-# When every restart releases what: today all of it before its barrier (no rank knows the decision
-# yet). A resource moved to AFTER_DECISION is released by the plan (RecoveryPlan.release), on every
-# rank whatever its transition, once the decision is known.
+# When every restart releases what. Before its barrier (no rank knows the decision yet): the groups
+# and the store client. NCCL's teardown runs from the abort on, beside finalize, the health check and
+# the barrier (its proxy threads take up to a second to exit): it is awaited once the decision is
+# known, before the function runs again. A resource at AFTER_DECISION is released by the plan
+# (RecoveryPlan.release), on every rank whatever its transition.
 RELEASE_SCHEDULE: Mapping[Resource, Moment] = {
     Resource.PROCESS_GROUPS: Moment.BEFORE_DECISION,
     Resource.ITERATION_STORE: Moment.BEFORE_DECISION,
+    Resource.NCCL_TEARDOWN: Moment.AFTER_DECISION,
 }
 
 
@@ -190,9 +196,9 @@ class RecoveryPlan:
             old_rank=old_rank, new_rank=_rank(m.rank[r]),
             old_active_rank=old_active, new_active_rank=_rank(m.active_rank[r]),
             new_world_size=m.world_size, new_active_world_size=m.active_world_size,
-            # Nothing ran before a first decision (a joiner's too); after a failed iteration, what the schedule
-            # leaves for now.
-            release=frozenset() if previous is None else released_at(Moment.AFTER_DECISION, schedule),
+            # Nothing ran before a first decision, nor in a joiner's process; after a failed iteration, what
+            # the schedule releases once the decision is known.
+            release=frozenset() if previous is None or joined else released_at(Moment.AFTER_DECISION, schedule),
             state_source=source, ends_job=decision.abort,
         )
 

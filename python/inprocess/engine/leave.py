@@ -13,7 +13,8 @@ from ..control.counting_out import count_out, members_at
 from ..control.protocol import FaultRecord, RestartProtocol
 from ..exception import exception_chain
 from ..exits import EXIT_CODE_UNRELEASABLE, exit_now
-from ..gpu import nccl_abort
+from ..gpu import nccl_abort, nccl_reaper
+from ..gpu.errors import NcclAbortTimeout
 from ..state import State
 
 log = logging.getLogger("inprocess")
@@ -116,7 +117,12 @@ def exit_if_nccl_abort_abandoned() -> None:
     abandoned thread still holds torch's locks (``ProcessGroupNCCL::abortComms``
     holds the group's mutex for the whole of its aborts), and destroying the
     groups, here or in torch's destructors at exit, waits on that mutex until
-    the monitor's hard timeout."""
+    the monitor's hard timeout. An NCCL teardown still running (a rank that
+    leaves during a restart) is waited for first, within its deadline."""
+    try:
+        nccl_reaper.REAPER.wait()
+    except NcclAbortTimeout as e:
+        log.error("%s", e)
     if not nccl_abort.abandoned():
         return
     log.error("an NCCL abort was abandoned at its deadline: this rank exits (code %d) without touching "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable, Optional
 
 from . import sockets
 from .connection_release import ConnectionRelease
@@ -136,39 +136,62 @@ def held_connections() -> int:
     return _release.held()
 
 
-def _forget_orphaned_groups(c10d: Any) -> None:
-    """Unregister groups that torch registered for an init_process_group that never set
-    its default group: the restart interrupted it between ``_new_process_group_helper``
-    (which registers the group's name, distributed_c10d.py ``_update_process_group_state``)
-    and ``_update_default_pg``. ``destroy_process_group()`` cannot reach them then (it
-    needs a default group), and the next init_process_group of this rank would fail with
-    "The specified group name has already been created". This clears what
-    ``destroy_process_group(WORLD)`` clears; the groups themselves stay referenced in
-    ``_groups`` until the caller drops them."""
+def _forget_groups(c10d: Any) -> list[Any]:
+    """Unregister every group without calling into its backend, as ``destroy_process_group()`` does
+    but for its ``shutdown()`` calls (torch 2.13, distributed_c10d.py); returns what torch held of them.
+
+    Two cases. A restart interrupted an init_process_group between ``_new_process_group_helper``
+    (which registers the group's name, ``_update_process_group_state``) and ``_update_default_pg``:
+    ``destroy_process_group()`` cannot reach those groups (it needs a default group), and the next
+    init_process_group of this rank would fail with "The specified group name has already been
+    created". Or NCCL's teardown of the groups still runs (inprocess.gpu.nccl_reaper): a
+    ``shutdown()`` would call into NCCL beside the aborts, and wait for them."""
     world = c10d._world
-    names = sorted(world.pg_names.values())
+    held: list[Any] = list(world.pg_map.keys()) + list(getattr(world, "comms", []))
+    c10d._update_default_pg(None)
     for registry in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
-                     "tags_to_pg", "pg_coalesce_state"):
+                     "tags_to_pg", "pg_coalesce_state", "comms"):
         table = getattr(world, registry, None)
         if table is not None:
             table.clear()
     c10d._unregister_all_process_groups()
+    return held
+
+
+def _forget_orphaned_groups(c10d: Any) -> None:
+    """The groups of an interrupted init_process_group (:func:`_forget_groups`), dropped in the
+    caller's thread."""
+    names = sorted(c10d._world.pg_names.values())
+    held = _forget_groups(c10d)
     log.info("forgot %d process group(s) %s left registered by an interrupted init_process_group",
              len(names), names)
+    del held
 
 
-def release_groups() -> int:
+def release_groups(keep: Optional[Callable[[list[Any]], bool]] = None) -> int:
     """Destroy every torch.distributed group and drop the references kept here.
 
     Call it from the main thread once it is back from the failed iteration
     (no collective in flight, workers idle): destroying a group joins its
     worker threads. Returns how many groups were released.
+
+    `keep` (the NCCL reaper's): offered the groups first; where it keeps them
+    (NCCL's teardown of them still runs) they are forgotten by torch instead of
+    destroyed, and the keeper drops them once their aborts returned.
     """
+    with _lock:
+        groups = list(_groups)
+        _groups.clear()
+        _sockets.clear()
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        if dist.is_available() and dist.is_initialized():
+        if keep is not None and keep(groups):
+            names = sorted(c10d._world.pg_names.values())
+            keep(_forget_groups(c10d))
+            log.debug("forgot %d process group(s) %s: NCCL's teardown of them still runs", len(names), names)
+        elif dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         elif c10d._world.pg_map:
             _forget_orphaned_groups(c10d)
@@ -180,10 +203,6 @@ def release_groups() -> int:
             c10d._world.group_count = 0
     except Exception as e:  # a group broken by the fault may refuse a clean destroy
         log.debug("destroy_process_group failed: %s", e)
-    with _lock:
-        groups = list(_groups)
-        _groups.clear()
-        _sockets.clear()
     count = len(groups)
     del groups  # the last references go here, in the caller's thread
     return count

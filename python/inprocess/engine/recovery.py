@@ -12,7 +12,9 @@ function) and :class:`Recovery` carries the plan out. It has three doors:
 
 A plan is applied by its transition (stay active, activate, stay a spare,
 deactivate, join, leave); a restart releases the failed iteration's resources
-when the plan's schedule says (:data:`~inprocess.control.recovery_plan.RELEASE_SCHEDULE`).
+when the plan's schedule says (:data:`~inprocess.control.recovery_plan.RELEASE_SCHEDULE`):
+the groups before the barrier, NCCL's teardown, which runs from the abort on,
+once the decision is known (:mod:`inprocess.gpu.nccl_reaper`).
 The callbacks of the engine's threads (the restart trigger's release of the
 main thread, the watchdog's soft timeout) and the leader's decision, which the
 barrier asks for, are here too: they act on the same state.
@@ -36,12 +38,13 @@ from ..control.recovery_plan import (
     DecisionSummary,
     Moment,
     RecoveryPlan,
+    Resource,
     Transition,
     released_at,
     seated,
 )
 from ..exception import HealthCheckError, InternalError, RankDiscarded, RestartAbort, TimeoutError
-from ..gpu.errors import leave_for_lost_context, lost_context_in
+from ..gpu.errors import NcclAbortTimeout, leave_for_lost_context, lost_context_in
 from ..rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from ..state import FrozenState, Mode, State
 from . import join
@@ -177,7 +180,7 @@ class Recovery:
         if outcome.abort_error is not None:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record.detected_ns, record.aborted_ns = outcome.detected_ns, outcome.aborted_ns
-        self.runtime.release(released_at(Moment.BEFORE_DECISION))
+        self._release(released_at(Moment.BEFORE_DECISION))
 
     def _finalize_step(self, record: RestartRecord, outcome: IterationOutcome) -> None:
         self._run_recovery_hook(self.settings.finalize, Leave.FINALIZE_FAILED)
@@ -231,12 +234,12 @@ class Recovery:
         """This rank takes the role its plan gives it, by the plan's transition, or leaves."""
         s = self.state
         self._emit_decision(decision, summary or DecisionSummary.of(self.membership, decision), plan)
-        self.runtime.release(plan.release)
         before = s.freeze()
         previous = self._seated(self.membership, decision.joined)
         self.membership = decision.membership
         self.standing = Standing.MEMBER
         s.iteration = plan.iteration
+        self._release(plan.release)  # in the plan's iteration: a rank that fails here leaves it, counted out
         if plan.ends_job is not None:
             self.runtime.protocol.leave(plan.iteration, plan.new_world_size)
             # The leader ran the failing hook: it leaves with the hook's own exception, as a
@@ -256,6 +259,13 @@ class Recovery:
         self._take_role(plan)
         if decision.leader == s.initial_rank and plan.iteration > 0:
             self.runtime.delete_user_keys(plan.iteration - 1)
+
+    def _release(self, resources: frozenset[Resource]) -> None:
+        """What the release schedule releases now; an NCCL teardown past its deadline makes the rank leave."""
+        try:
+            self.runtime.release(resources)
+        except NcclAbortTimeout as e:
+            raise LeaveJob(e, Leave.ABORT_FAILED) from None
 
     def _take_role(self, plan: RecoveryPlan) -> None:
         """The rank's mode, ranks and world sizes from ``plan``, and the environment the function sees."""

@@ -42,6 +42,7 @@ from ..control.protocol import RestartProtocol, done_key
 from ..control.recovery_plan import Resource
 from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
+from ..gpu import nccl_reaper
 from ..processes.contract import MonitorConfig, NodeAgentConfig, rank_log_format
 from ..processes.helper_process import HelperProcess
 from ..state import Mode, State
@@ -326,9 +327,15 @@ class RankRuntime:
         Back in the main thread, the failed iteration's frames gone and its
         collectives ended, destroying the groups here can race neither with DDP
         nor deadlock on the gloo workers (see inprocess.engine.pg_tracker).
+        While NCCL's teardown of them still runs, they are forgotten instead,
+        kept alive by the reaper until it is over (inprocess.gpu.nccl_reaper).
+        NCCL's teardown is waited for, bounded by the abort's NCCL timeout:
+        past it, :class:`~inprocess.gpu.NcclAbortTimeout`.
         """
+        if Resource.NCCL_TEARDOWN in resources:
+            nccl_reaper.REAPER.wait()
         if Resource.PROCESS_GROUPS in resources:
-            pg_tracker.release_groups()
+            pg_tracker.release_groups(keep=nccl_reaper.REAPER.keep)
             sys.excepthook = self.saved_excepthook
         if Resource.ITERATION_STORE in resources:
             self._user_client, self._user_sockets = None, {}
@@ -375,7 +382,7 @@ class RankRuntime:
             agent.poll()
 
     def _release_process_groups(self, saved_excepthook: Any) -> None:
-        pg_tracker.release_groups()
+        pg_tracker.release_groups(keep=nccl_reaper.REAPER.keep)
         sys.excepthook = saved_excepthook
 
     def _call_is_done(self) -> bool:

@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import string
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .bounded import call_within
 
@@ -76,9 +76,15 @@ def trace_path(template: str, rank: int, iteration: int) -> str:
     return template.format(rank=rank, iteration=iteration)
 
 
-def dump(path: str, timeout: float, c10d: Optional[Any] = None) -> bool:
+def dump(path: str, timeout: float, c10d: Optional[Any] = None, bind: Optional[Callable[[], str]] = None) -> bool:
     """Writes the flight recorder to `path`; False (logged) when torch has no
-    flight recorder, the dump failed or it did not finish within `timeout`."""
+    flight recorder, the dump failed or it did not finish within `timeout`.
+
+    `bind`, called first on the dump's own thread, makes the rank's device
+    current there ("" when done, else why not): the dump reads the state of
+    the collectives' CUDA events, and a thread with no device would get a
+    context on GPU 0 from the CUDA runtime
+    (:func:`inprocess.gpu.nccl_abort.bind_rank_device`)."""
     if c10d is None:
         try:
             import torch._C._distributed_c10d as c10d
@@ -89,7 +95,13 @@ def dump(path: str, timeout: float, c10d: Optional[Any] = None) -> bool:
     if dump_trace is None:
         log.warning("flight recorder not dumped: this torch has no NCCL flight recorder (_dump_nccl_trace)")
         return False
-    result = call_within(lambda: dump_trace(**DUMP_ARGUMENTS), timeout, "inprocess-fr-dump")
+    def on_the_ranks_device() -> Any:
+        why = bind() if bind is not None else ""
+        if why:
+            log.debug("flight recorder dump: the rank's device not made current: %s", why)
+        return dump_trace(**DUMP_ARGUMENTS)
+
+    result = call_within(on_the_ranks_device, timeout, "inprocess-fr-dump")
     if not result.finished:
         log.error("flight recorder dump did not finish within %gs; the abort goes on without it", timeout)
         return False

@@ -1,7 +1,8 @@
 """Releases torch's NCCL communicators within a deadline.
 
-The order, and why (torch 2.13's ``ProcessGroupNCCL``; the sources are cited
-in tests/fakes/fake_torch_nccl.py and tests/test_nccl_release.py):
+The order, and why (torch 2.13's ``ProcessGroupNCCL``, NCCL 2.29.7 which it
+pairs with; the sources are cited in tests/fakes/fake_torch_nccl.py,
+tests/fakes/fake_nccl.c and tests/test_nccl_release.py):
 
 1. **The rank's device, on this thread and on the native worker.** torch's
    ``_comm_ptr()`` answers for the communicator of the *calling thread's*
@@ -11,28 +12,36 @@ in tests/fakes/fake_torch_nccl.py and tests/test_nccl_release.py):
    create a context on GPU 0. The rank's device (the group's
    ``bound_device_id``, else :func:`.device.cuda_ordinal`) is made current on
    both threads through the CUDA driver, only where its context exists.
-2. **Pointers only when reading them cannot hang and torch cannot free them.**
-   ``_comm_ptr()`` holds the GIL and takes the group's mutex (held for the
-   whole of a hung ``abortComms()``), and on a non-blocking communicator waits
-   until it is ready: no deadline can end a call that holds the GIL. So it is
-   called only after ``get_error()`` says torch has seen no failure on the
-   group (its watchdog aborts and frees the communicators after one, under
-   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1 or 2) and ``_is_initialized()``, which
-   releases the GIL and takes the same mutex, returned within a short bound.
-   A group that fails either check is released by torch's own abort alone,
-   and then so are the others: a revoke of theirs would wait for its kernels
-   on a stream they share (a group with no communicator ready, or one torch
-   aborted already, runs no kernel: the others are revoked).
-3. **Revoke, every communicator as one NCCL group** (2.28.7 and later): the
-   revokes set every abort flag before any of them waits for its streams, so a
-   kernel stuck on one group cannot hold another's revoke; blocking and
-   non-blocking communicators go in two groups (NCCL refuses to mix them).
-   The communicators stay valid; nothing is freed under torch's feet.
-4. **torch's ``abort()`` of every backend at once**, each on a thread of its
-   own, bounded by what is left of the deadline. torch 2.13 runs each abort's
-   ``ncclCommAbort`` calls on a ``std::async`` thread, grouped per backend
-   only: aborted one after another, the first would wait for the kernel of a
-   group whose abort has not started yet.
+2. **Revoke: off by default** (``revoke=True`` asks for it). It buys nothing
+   measured yet (one rank: the abort's cost is NCCL's proxy poll either way)
+   and has a hazard: torch runs a single ``send``/``recv`` over a
+   point-to-point communicator of its own that ``_comm_ptr()`` does not
+   return; a P2P kernel stuck ahead of a collective on the same stream holds
+   the revoke's wait for that stream until the deadline (exit 75), where
+   torch's abort alone, which aborts the P2P communicators too, releases it.
+   Where asked for, only *blocking* communicators are revoked: completing a
+   non-blocking one's revoke takes ``ncclCommGetAsyncError`` polls, and on a
+   non-blocking communicator that call completes and frees the group job
+   linked to it (NCCL 2.29.7 ``src/init.cc`` lines 3107-3110), which torch's
+   watchdog does too, under the communicator's mutex that this library cannot
+   take. No other ``ncclCommGetAsyncError`` is made. The pointers are read
+   with ``_comm_ptr()``, which holds the GIL and takes the group's mutex: no
+   deadline can end it, so it is called only after ``get_error()`` says torch
+   has seen no failure on the group and ``_is_initialized()`` (GIL released,
+   same mutex) returned within a short bound. The mutex can still be taken
+   between the two (by torch's watchdog on an error it has just seen): then
+   ``_comm_ptr()`` blocks every Python thread until the rank's hard timeout.
+   That is one more reason revoke is off by default: the default path reads
+   no pointer at all. Every communicator revoked is in one NCCL group (the
+   flags are all set before any revoke waits for its streams); a group left
+   out (skipped) leaves all the others to torch's abort too.
+3. **torch's ``abort()`` of every backend at once** (:class:`Aborts`), each
+   on a thread of its own. torch 2.13 runs each abort's ``ncclCommAbort``
+   calls on a ``std::async`` thread, grouped per backend only: aborted one
+   after another, the first would wait for the kernel of a group whose abort
+   has not started yet. :func:`release` waits for them within the deadline;
+   the restart hands them to a reaper instead and waits for them before the
+   function runs again (:mod:`.nccl_reaper`).
 
 An abort still running at the deadline raises :class:`NcclAbortTimeout`: the
 thread inside NCCL or torch is abandoned (:func:`abandoned` is true from then
@@ -45,11 +54,11 @@ for a rank that leaves the job right after (the process exits before torch
 touches its groups again), where it releases the peers and the device without
 waiting for torch.
 
-Point-to-point and split communicators: ``_comm_ptr()`` gives a group's
-collective communicator only, so those are not revoked; torch's ``abort()``
-aborts every communicator of the group (its ``devNCCLCommMap_``, which holds
-the point-to-point ones too), and a split group is a backend of its own in
-the list.
+Which communicators the abort is safe with: NCCL documents ``ncclCommAbort``
+as safe while an operation is in flight for non-blocking communicators
+(``TORCH_NCCL_USE_COMM_NONBLOCKING=1``); on a blocking one (torch's default)
+a thread blocked inside NCCL (a creation, a blocking group end) is not
+interrupted by the abort. The deadline bounds that case (exit 75).
 """
 
 from __future__ import annotations
@@ -91,7 +100,6 @@ class NcclRelease:
     device: int = -1
     device_message: str = ""  # why the device could not be made current, "" when it was
     skipped: List[str] = field(default_factory=list)  # backends released by torch alone, and why
-    async_errors: List[int] = field(default_factory=list)  # ncclResult_t per pointer, read before the revoke
     revoked: bool = False
     revoke_status: Optional[_native.GpuStatus] = None
     torch_aborted: int = 0
@@ -144,6 +152,10 @@ def communicator(backend: Any, timeout: float) -> Communicator | Skipped:
     get = getattr(backend, "_comm_ptr", None)
     if get is None:
         return Skipped("no _comm_ptr()", may_run=True)
+    if not is_blocking(backend):
+        # Its revoke completes through ncclCommGetAsyncError, which completes and frees the group job
+        # linked to a non-blocking communicator, as torch's watchdog does under a mutex not ours.
+        return Skipped("non-blocking (left to torch's abort: see the module's docstring)", may_run=True)
     get_error = getattr(backend, "get_error", None)
     if get_error is not None:
         error = call_within(get_error, timeout, "inprocess-nccl-state")
@@ -190,14 +202,20 @@ def bind_rank_device(backends: Sequence[Any]) -> str:
     return _use_device(library, ordinal) if ordinal >= 0 else "no device for this rank"
 
 
-def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> NcclRelease:
-    """Revokes (where possible) and aborts `backends` (torch NCCL backends)
+def release(backends: Sequence[Any], timeout: float, revoke: bool = False) -> NcclRelease:
+    """Revokes (where asked for and possible) and aborts `backends` (torch NCCL backends)
     within `timeout` seconds. Raises :class:`NcclAbortTimeout` past it."""
     started = time.monotonic()
+    report = prepare(backends, started + timeout, revoke)
+    report.torch_aborted, errors = Aborts(backends).wait(started + timeout)
+    report.errors += errors
+    report.elapsed_s = time.monotonic() - started
+    return report
 
-    def left() -> float:
-        return max(timeout - (time.monotonic() - started), 0.0)
 
+def prepare(backends: Sequence[Any], deadline: float, revoke: bool) -> NcclRelease:
+    """What comes before torch's aborts: the rank's device made current, then, with `revoke`, the
+    revoke (steps 1 and 2 of the module's docstring), by `deadline` (``time.monotonic()``)."""
     report = NcclRelease(backends=len(backends))
     library, reason = libraries.nccl()
     if library is None:
@@ -206,74 +224,84 @@ def release(backends: Sequence[Any], timeout: float, revoke: bool = True) -> Ncc
     report.device_message = _use_device(library, report.device) if report.device >= 0 else "no device for this rank"
     if report.device_message:
         log.debug("NCCL release: device %d not made current: %s", report.device, report.device_message)
+    if revoke and library is not None and library.has_revoke:
+        _revoke(library, backends, deadline, report)
+    return report
+
+
+def _revoke(library: _native.NcclLibrary, backends: Sequence[Any], deadline: float, report: NcclRelease) -> None:
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.0)
+
     comms: List[Communicator] = []
     may_run = False
-    if revoke and library is not None and library.has_revoke:
-        for backend in backends:
-            found = communicator(backend, left())
-            if isinstance(found, Skipped):
-                report.skipped.append(f"{backend}: {found.why}")
-                may_run = may_run or found.may_run
-            else:
-                comms.append(found)
+    for backend in backends:
+        found = communicator(backend, left())
+        if isinstance(found, Skipped):
+            report.skipped.append(f"{backend}: {found.why}")
+            may_run = may_run or found.may_run
+        else:
+            comms.append(found)
     if may_run and comms:
         # A group left out keeps its kernels running until torch aborts it: a
         # revoke of the others waits for those on a shared stream. All or none.
         log.debug("NCCL release: no revoke, %d of %d groups left to torch", len(report.skipped), len(backends))
         comms = []
     report.pointers = len(comms)
-    if comms and library is not None:
-        pointers = [c.pointer for c in comms]
-        seen = library.async_errors(pointers, int(left() * 1e9))
-        if seen.status == _native.GpuStatus.DONE:
-            report.async_errors = list(seen.results)
-            for ptr, error in zip(pointers, seen.results, strict=True):
-                if error not in (0, 7):  # ncclSuccess, ncclInProgress
-                    log.info("NCCL communicator %#x: async error %s", ptr, library.error_string(error))
-        outcome = library.revoke(pointers, [c.blocking for c in comms], int(left() * 1e9))
-        report.revoke_status = outcome.status
-        report.revoked = outcome.status == _native.GpuStatus.DONE
-        if outcome.status == _native.GpuStatus.TIMED_OUT:
-            _abandoned.set()
-            raise NcclAbortTimeout(f"ncclCommRevoke of {len(pointers)} communicators: {outcome.message}")
-        if outcome.status != _native.GpuStatus.DONE:
-            report.errors.append(outcome.message)
-    _abort_all(backends, started, timeout, report)
-    report.elapsed_s = time.monotonic() - started
-    return report
+    if not comms:
+        return
+    pointers = [c.pointer for c in comms]
+    outcome = library.revoke(pointers, [c.blocking for c in comms], int(left() * 1e9))
+    report.revoke_status = outcome.status
+    report.revoked = outcome.status == _native.GpuStatus.DONE
+    if outcome.status == _native.GpuStatus.TIMED_OUT:
+        _abandoned.set()
+        raise NcclAbortTimeout(f"ncclCommRevoke of {len(pointers)} communicators: {outcome.message}")
+    if outcome.status != _native.GpuStatus.DONE:
+        report.errors.append(outcome.message)
 
 
-def _abort_all(backends: Sequence[Any], started: float, timeout: float, report: NcclRelease) -> None:
-    """torch's abort() of every backend, all started at once."""
-    done = threading.Semaphore(0)
-    results: List[Bounded[None]] = [Bounded(False) for _ in backends]
+class Aborts:
+    """torch's ``abort()`` of every backend, each on a thread of its own, all started at once."""
 
-    def run(i: int, backend: Any) -> None:
+    def __init__(self, backends: Sequence[Any]):
+        self.backends = list(backends)
+        self._started = [threading.Event() for _ in self.backends]
+        self._done = [threading.Event() for _ in self.backends]
+        self._errors: List[Optional[BaseException]] = [None for _ in self.backends]
+        for i, backend in enumerate(self.backends):
+            threading.Thread(target=self._run, args=(i, backend), name="inprocess-nccl-abort", daemon=True).start()
+
+    def _run(self, i: int, backend: Any) -> None:
+        self._started[i].set()
         try:
             backend.abort()
-        except BaseException as e:  # handed to the caller
-            results[i].error = e
+        except BaseException as e:  # handed to the waiter
+            self._errors[i] = e
         finally:
-            results[i].finished = True
-            done.release()
+            self._done[i].set()
 
-    for i, backend in enumerate(backends):
-        threading.Thread(target=run, args=(i, backend), name="inprocess-nccl-abort", daemon=True).start()
-    for _ in backends:
-        if not done.acquire(timeout=max(timeout - (time.monotonic() - started), 0.0)):
-            break
-    stuck = [str(b) for b, r in zip(backends, results, strict=True) if not r.finished]
-    if stuck:
-        _abandoned.set()
-        raise NcclAbortTimeout(
-            f"torch's NCCL abort of {', '.join(stuck)} did not return within {timeout:g}s "
-            "(see README 'GPU' for the settings that make an abort safe)"
-        )
-    for backend, result in zip(backends, results, strict=True):
-        if result.error is not None:
-            report.errors.append(f"{backend}: {result.error}")
-        else:
-            report.torch_aborted += 1
+    def started(self, deadline: float) -> bool:
+        """Until every thread is at its ``abort()`` call, by `deadline` (``time.monotonic()``)."""
+        return all(e.wait(max(deadline - time.monotonic(), 0.0)) for e in self._started)
+
+    def finished(self) -> bool:
+        return all(e.is_set() for e in self._done)
+
+    def wait(self, deadline: float) -> tuple[int, List[str]]:
+        """Until every abort returned, by `deadline`: (how many returned without an error, the errors).
+        Raises :class:`NcclAbortTimeout` (and marks the process abandoned) past it."""
+        for done in self._done:
+            done.wait(max(deadline - time.monotonic(), 0.0))
+        stuck = [str(b) for b, done in zip(self.backends, self._done, strict=True) if not done.is_set()]
+        if stuck:
+            _abandoned.set()
+            raise NcclAbortTimeout(
+                f"torch's NCCL abort of {', '.join(stuck)} did not return by its deadline "
+                "(see docs/gpu.md for the settings that make an abort safe)"
+            )
+        errors = [f"{b}: {e}" for b, e in zip(self.backends, self._errors, strict=True) if e is not None]
+        return len(self.backends) - len(errors), errors
 
 
 def abort_by_pointer(pointers: Sequence[int], timeout: float) -> _native.NcclOutcome:

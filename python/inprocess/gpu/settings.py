@@ -21,8 +21,20 @@ the ``.cpp`` files by function, as read in pytorch/pytorch's main branch):
   is on: torch waits for a non-blocking communicator (``NCCLUtils.cpp``,
   ``nccl_nonblocking_timeout``) up to it, 30 minutes by default; set it no
   longer than the abort's ``nccl_timeout``.
-- NCCL without a known abort hang: not 2.17.1, 2.18.x or 2.25.1 (the README's
-  GPU section gives the issues).
+- ``NCCL_NVLS_ENABLE=0``: nvidia_resiliency_ext's in-process restart requires
+  NVLink SHARP (NVLS, on NVSwitch systems) off (its usage guide, "Known issues",
+  NCCL); nothing here has measured an abort with NVLS on, so the same holds.
+- NCCL without a known abort hang: not 2.17.1, 2.18.x or 2.25.1 (docs/gpu.md
+  gives the issues), and not 2.28.3 to 2.28.8, which nvidia_resiliency_ext
+  warns against for in-process restart (torch 2.13 pairs with NCCL 2.29.7).
+
+Which communicators the abort is safe with is a fact of NCCL, not a setting:
+NCCL documents ``ncclCommAbort`` as safe while an operation is in flight for
+non-blocking communicators (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``); with
+blocking ones (torch's default) a thread blocked inside NCCL (a
+communicator's creation, a blocking group end) is not released by it, and the
+abort's deadline (exit 75) is what bounds that case. Not a warning: torch's
+default is what most jobs run, and the restart stays bounded either way.
 
 "In use" means this process could run NCCL on a GPU: torch was built with
 CUDA and NCCL and a CUDA device is visible. A CPU-only job (a CPU build of
@@ -43,12 +55,16 @@ log = logging.getLogger("inprocess")
 _TRUE = ("y", "yes", "1", "t", "true")
 _FALSE = ("n", "no", "0", "f", "false")
 
-# NCCL releases whose abort can hang (see the README's GPU section).
+# NCCL releases whose abort can hang (see docs/gpu.md).
 _ABORT_HANGS = {
     (2, 17, 1): "ncclCommAbort waits for the other ranks (pytorch#119215)",
     (2, 18): "aborts from several threads can hang, fixed in 2.19.1 (NVIDIA/nccl#992)",
     (2, 25, 1): "abort can hang, fixed in 2.26.2 (pytorch#149153)",
 }
+# Ranges of releases, first and last included, and why.
+_AVOIDED_RANGES = (
+    ((2, 28, 3), (2, 28, 8), "nvidia_resiliency_ext warns against NCCL 2.28.3 to 2.28.8 for in-process restart"),
+)
 
 _warned = False
 _warned_lock = threading.Lock()
@@ -105,11 +121,24 @@ def contradictions(env: Optional[Mapping[str, str]] = None,
                      "up to 30 minutes for a non-blocking communicator, its abort included; set "
                      "TORCH_NCCL_NONBLOCKING_TIMEOUT (seconds) no longer than the abort's nccl_timeout")
 
+    nvls = env.get("NCCL_NVLS_ENABLE")
+    if nvls is None or nvls.strip() != "0":
+        shown = "NCCL_NVLS_ENABLE unset" if nvls is None else f"NCCL_NVLS_ENABLE={nvls!r}"
+        found.append(f"{shown}: NVLink SHARP (NVLS, on NVSwitch systems) is on; nvidia_resiliency_ext requires it "
+                     "off for an in-process restart and no abort with it on has been measured here; "
+                     "set NCCL_NVLS_ENABLE=0")
+
     if nccl_version is not None:
-        for release, why in _ABORT_HANGS.items():
-            if tuple(nccl_version[: len(release)]) == release:
-                shown = ".".join(str(v) for v in nccl_version[:3])
-                found.append(f"NCCL {shown}: {why}; use another NCCL release")
+        found += _nccl_release_contradictions(tuple(nccl_version))
+    return found
+
+
+def _nccl_release_contradictions(version: Tuple[int, ...]) -> List[str]:
+    shown = ".".join(str(v) for v in version[:3])
+    found = [f"NCCL {shown}: {why}; use another NCCL release"
+             for release, why in _ABORT_HANGS.items() if version[: len(release)] == release]
+    found += [f"NCCL {shown}: {why}; use another NCCL release (2.28.9 or later)"
+              for first, last, why in _AVOIDED_RANGES if first <= version[:3] <= last]
     return found
 
 
