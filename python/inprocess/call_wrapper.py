@@ -124,6 +124,7 @@ class CallWrapper:
 
     def ping(self) -> None:
         """Manual progress: arms the soft/hard timeouts for the rest of the iteration."""
+        self._storm.step()  # a step: progress, for the storm brake (engine/storm.py)
         if self._rt is not None:
             self._rt.hang_guard.ping()
 
@@ -142,6 +143,7 @@ class CallWrapper:
         training loop): with ``Wrapper(grow=GrowPolicy(...))`` the job may restart here, on purpose, to
         take in processes waiting to join it (:mod:`inprocess.engine.grow`). Cheap: one store read
         every ``GrowPolicy.check_every`` calls; nothing without a policy."""
+        self._storm.step()  # a step: progress, for the storm brake (engine/storm.py); atomic() ends here too
         grow, s = self._grow, self.state
         if grow is None or s.mode != Mode.ACTIVE or s.active_world_size is None:
             return
@@ -255,7 +257,7 @@ class CallWrapper:
         if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
         decision = self._barrier(0, s.initial_world_size)
-        self._storm.started(decision.host, decision.t_ns)
+        self._storm.started(decision)
         self._emit_decision(decision, DecisionSummary.of(None, decision))
         self._apply(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
         return True
@@ -272,7 +274,7 @@ class CallWrapper:
             log.info("rank %d: %s", s.initial_rank, e)
             return False
         rt.trigger_protocol.life = rt.protocol.life
-        self._storm.started(decision.host, decision.t_ns)
+        self._storm.started(decision)
         joined = [seat for seat, _ in decision.joined]
         self._emit_decision(decision, DecisionSummary.of(None, decision, joined))
         self._apply(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank, joined))
@@ -424,7 +426,7 @@ class CallWrapper:
         # A joiner enters as a spare: one that became active is counted among the spares activated.
         record.activated = sorted(summary.activated + [r for r in summary.joined
                                                        if decision.membership.mode[r] == Mode.ACTIVE])
-        verdict = self._storm.observe(record, decision.host, decision.t_ns)
+        verdict = self._storm.observe(record, decision)
         self.restarts.append(record)
         self._emit_decision(decision, summary)
         self._apply(decision, plan)
@@ -517,6 +519,7 @@ class CallWrapper:
                 takeover=p.lead_term > 0,
             )
             decision.joined = joined
+            decision.progress = self._storm.judge(p, self.state.iteration).fields() if previous is not None else None
             return decision
 
     def _read_topology(self) -> list[list[list[str]]]:
@@ -718,6 +721,7 @@ class CallWrapper:
     def _set_phase(self, phase: Phase) -> None:
         """Enter ``phase``, as its row of the phase table (engine/phases.py) says."""
         row = phases.row(phase)
+        self._storm.phase_entered(phase, self.state, self._rt.protocol if self._rt else None)  # engine/storm.py
         if self._rt is not None:
             self._rt.hang_guard.enter(phase)  # the row's hang rule: a restart's hooks get hard_timeout
             self._emit("phase", phase=row.name, iteration=self.state.iteration)

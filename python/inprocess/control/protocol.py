@@ -25,6 +25,8 @@ incarnation, :mod:`inprocess.control.incarnation`):
 ``<i>/lead.<t>``       who leads term t: :mod:`inprocess.control.leadership`
 ``<i>/left``           counter of ranks that left after completion
 ``<i>/given_up``       counter of arrivals that stopped waiting for barrier i
+``<i>/progress``       counter of reporters that made progress in iteration i
+                       (:mod:`inprocess.engine.storm`)
 ``seat/<g>``           the seats of initial ranks Kg..Kg+K-1, K agreed in
 ``seat/per_key``       (:mod:`inprocess.control.seat_table`; K = 1 without
                        node agents); rank r's seat: the last barrier it was
@@ -693,7 +695,7 @@ class RestartProtocol:
     # -- cleanup --------------------------------------------------------------
 
     _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left",
-                       "given_up")
+                       "given_up", "progress")
 
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:
