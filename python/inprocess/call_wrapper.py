@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from . import faults
+from . import environment, faults
 from . import store as store_mod
-from .control import joining, protocol
+from .control import agreement, joining, protocol
+from .control.barrier_watch import BarrierWatch
 from .control.membership import Membership
 from .control.protocol import COMPLETE, Decision, FaultRecord, RestartProtocol, SeatTaken
 from .engine import join, phases
@@ -50,7 +51,7 @@ from .engine.runtime import RankRuntime
 from .engine.soft_timeout import report_soft_timeout
 from .engine.storm import StormBrake, StormLimits, Verdict
 from .engine.trigger import IterationOutcome
-from .events import call_start_fields
+from .events import call_start_fields, decision_fields
 from .exception import (
     BarrierTimeout,
     HealthCheckError,
@@ -188,6 +189,7 @@ class CallWrapper:
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
+        environment.warn_unknown()  # a misspelt INPROCESS_* variable: once per process, with the nearest name
         gpu_settings.warn_once()  # once per process, and only where NCCL can run on a GPU
         call_index = self._enter()
         self._join_token = joining.new_token() if joining.join_requested() else ""
@@ -201,9 +203,11 @@ class CallWrapper:
                     leave_unreleasable=self._leave_unreleasable,
                 )
                 self._grow = GrowPoints(self._w.grow, self._rt.protocol) if self._w.grow is not None else None
+                watch = BarrierWatch.on(self._rt.protocol, self.state.initial_rank, self._expected_at)  # INFO
                 try:
                     return self._run(fn, args, kwargs)
                 finally:
+                    watch.close()  # a long barrier wait was logged by its thread: gone before the runtime
                     if self._grow is not None:
                         self._grow.end()  # a grow scheduled and never reached leaves no keys behind
                     self._rt.close()
@@ -218,7 +222,7 @@ class CallWrapper:
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = self._runtime
-        self._emit("call_start", **call_start_fields(self.state.initial_world_size))
+        self._emit("call_start", **call_start_fields(self.state.initial_world_size, self._w.timeouts))
         leaving: LeaveJob
         try:
             self._set_phase(Phase.INITIAL_BARRIER)
@@ -256,6 +260,10 @@ class CallWrapper:
             return self._join_running_job(keys)
         if keys is not None:
             self._runtime.protocol.publish_local_keys(s.initial_rank, keys)
+        try:  # ranks launched with other settings (WORLD_SIZE, ...): the job ends at once, naming them
+            agreement.agree_at_barrier_zero(self._runtime.protocol, s.initial_rank, self._job_config)
+        except agreement.SettingsMismatch as e:
+            raise LeaveJob(e, Leave.JOB_ENDED) from None
         decision = self._barrier(0, s.initial_world_size)
         self._storm.started(decision)
         self._emit_decision(decision, DecisionSummary.of(None, decision))
@@ -453,7 +461,8 @@ class CallWrapper:
                     "host": f.host} for f in decision.faults[:8]]
         self._emit("decision", iteration=decision.iteration, world_size=m.world_size,
                    active_world_size=m.active_world_size, terminated=decision.terminated, leader=decision.leader,
-                   n_faults=decision.n_faults, faults=records, **summary.fields())
+                   n_faults=decision.n_faults, faults=records, **summary.fields(),
+                   **decision_fields(decision, self._runtime.protocol.life, self._storm.backoff_s))
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -466,8 +475,14 @@ class CallWrapper:
             # stopped heartbeating) and counted it out: it must not count itself in.
             raise LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
                             Leave.COUNTED_OUT) from None
+        except BarrierTimeout as e:  # counted in, and given up (protocol.give_up): nothing more to write
+            raise LeaveJob(e, Leave.GAVE_UP) from None
         assert decision is not None  # a healthy arrival always gets the decision
         return decision
+
+    def _expected_at(self, barrier: int) -> int:
+        """How many ranks barrier ``barrier`` counts, as this rank arrives there."""
+        return self.state.initial_world_size if barrier == 0 else self.state.world_size
 
     def _check_health_before_iteration(self) -> None:
         """``health_check`` also runs before every iteration, after ``initialize``, as in

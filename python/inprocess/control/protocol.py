@@ -185,6 +185,7 @@ class RestartProtocol:
         # While a decide function runs here: the term it decides (0: the barrier's first leader,
         # t > 0: the t-th to take the lead over), for a decide function that cares (fault injection).
         self.lead_term = 0
+        self.finished = False  # finish_job ran here
 
     @property
     def store(self) -> Any:
@@ -547,7 +548,12 @@ class RestartProtocol:
         except Exception as e:  # the store is gone: say so instead
             return f"barrier {iteration}: the arrivals cannot be read ({type(e).__name__}: {e})"
         text = f"barrier {iteration}: {arrived} of {expected} ranks arrived"
-        if arrived >= expected or self.initial_world_size is None:
+        if arrived >= expected:
+            # Not a contradiction to leave unexplained: the count is not the decision.
+            return (f"{text}, yet it was not decided: the arrival that completes the count sets ready, "
+                    "unless it expected another number of ranks (another WORLD_SIZE), and the leader then "
+                    "decides, unless it was lost while deciding")
+        if self.initial_world_size is None:
             return text
         # A member not arrived yet holds the seat of the barrier before (none before barrier 0).
         missing: list[int] = []
@@ -656,6 +662,7 @@ class RestartProtocol:
             self.finish_job(iteration)
 
     def finish_job(self, iteration: int) -> None:
+        self.finished = True  # this process ended the call: its store host exits on "done", ask it nothing more
         self.delete_iteration(iteration)
         self.delete_iteration(iteration - 1)
         self._delete([self.job_key("topology")])

@@ -282,6 +282,11 @@ class StormBrake:
         self._quiet = 0  # per-restart lines sent to DEBUG since the last report
 
     @property
+    def backoff_s(self) -> float:
+        """The wait that follows the last decision (0 outside a storm)."""
+        return self._backoff_s
+
+    @property
     def in_storm(self) -> bool:
         return self.limits.enabled and self._stalls >= self.limits.repeats
 
