@@ -167,3 +167,14 @@ def test_a_disagreeing_rank_ends_barrier_0_for_the_others(protocol):
     assert decision.abort is not None and "disagree on WORLD_SIZE" in decision.abort
     assert decision.membership.initial_world_size == 2
     assert protocol.counted.check([protocol.key(0, "ready")])  # a leader waiting for the count wakes
+
+
+def test_a_closed_watch_lets_go_of_the_rank_s_connection(protocol):
+    """The protocol holds its watch, and the watch's reader the protocol: closed, the cycle is broken, so
+    that the rank's connection closes when the protocol is dropped, not at a garbage collection."""
+    watch = BarrierWatch.on(protocol, 0, lambda barrier: 2)
+    assert protocol.counted.watch is watch
+    watch.begin("barrier 0", 5.0)
+    watch.end()
+    watch.close()
+    assert protocol.counted.watch is None and watch._reader is None

@@ -58,6 +58,7 @@ class BarrierWatch:
         self._wait: Optional[_Wait] = None
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._installed_on: Optional[Any] = None  # the CountingStore it watches (on())
         self.reports = 0
 
     @classmethod
@@ -75,6 +76,7 @@ class BarrierWatch:
 
         watch = cls(initial_rank, expected, reader)
         protocol.counted.watch = watch
+        watch._installed_on = protocol.counted
         return watch
 
     def begin(self, what: str, timeout: Optional[float]) -> None:
@@ -103,6 +105,11 @@ class BarrierWatch:
             thread = self._thread
         if thread is not None:
             thread.join(timeout=10)
+        # The protocol holds the watch and the watch's reader the protocol: the cycle would keep the
+        # rank's connection open until a garbage collection (tests count descriptors).
+        if self._installed_on is not None:
+            self._installed_on.watch = None
+        self._installed_on = self._reader = None
         read, self._read = self._read, None
         if read is not None:
             _close(read)
