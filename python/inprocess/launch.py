@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any, Optional, Sequence
@@ -121,6 +122,23 @@ class RankProcess:
     popen: subprocess.Popen[str]
     returncode: Optional[int] = None
     output: str = ""
+    # A captured process's output, read as it comes by a thread of its own: a pipe read only once the
+    # ranks before it exited fills (64 KiB), and the rank then blocks in its next write, at any point
+    # of the protocol (issue 31: a storm without the brake "hung" so, every rank at barrier_timeout).
+    reader: Optional[threading.Thread] = None
+    chunks: list[str] = dataclasses.field(default_factory=list)
+
+    def read_output(self) -> None:
+        """Until the pipe closes (the reader thread's body)."""
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.chunks.append(line)
+
+    def collect(self, timeout: float) -> None:
+        """The output read so far, once the process exited (its pipe closes with its process group)."""
+        if self.reader is not None:
+            self.reader.join(timeout)
+        self.output = "".join(self.chunks)
 
 
 class LocalJob:
@@ -201,7 +219,11 @@ class LocalJob:
             text=True,
             start_new_session=True,  # one process group per rank: killpg reaps its children too
         )
-        return RankProcess(rank, popen)
+        rp = RankProcess(rank, popen)
+        if self.capture:
+            rp.reader = threading.Thread(target=rp.read_output, name=f"rank{rank}-output", daemon=True)
+            rp.reader.start()
+        return rp
 
     def respawn(self, rank: int, count: int, extra_env: Optional[dict[str, str]] = None) -> RankProcess:
         """Start the ``count``-th replacement of rank ``rank``'s process: the seat's environment, plus
@@ -225,9 +247,8 @@ class LocalJob:
         try:
             for rp in self.ranks:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                out, _ = rp.popen.communicate(timeout=remaining)
-                rp.output = out or ""
-                rp.returncode = rp.popen.returncode
+                rp.returncode = rp.popen.wait(timeout=remaining)
+                rp.collect(10)
         except subprocess.TimeoutExpired:
             self.kill()
             raise TimeoutError(f"job did not finish within {timeout:g}s:\n{self.outputs()}") from None
@@ -246,10 +267,10 @@ class LocalJob:
                     pass
         for rp in every:
             try:
-                out, _ = rp.popen.communicate(timeout=10)
-                rp.output = rp.output or (out or "")
-            except (subprocess.TimeoutExpired, ValueError):
+                rp.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 pass
+            rp.collect(10)
             rp.returncode = rp.popen.returncode
             # The process group may hold grandchildren (e.g. a monitor): reap them too.
             try:
