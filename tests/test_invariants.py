@@ -177,6 +177,15 @@ def test_ranks_that_finish_in_different_iterations():
     assert list(found(job)) == ["same_final_iteration"]
 
 
+def test_ranks_that_a_retry_controller_stops_in_different_iterations():
+    """RetryController(max_iterations=5) says every rank stops at the same iteration; the first rank's
+    RestartAbort restarts the others, which meet the limit at 6 (tests/test_storm.py's job shows it)."""
+    job = clean_job()
+    job[0][-1] = event(0, "exit", 2.0, outcome="terminated", reason="terminated", iteration=1, type="RestartAbort")
+    job[1][-1] = event(1, "exit", 2.0, outcome="terminated", reason="terminated", iteration=2, type="RestartAbort")
+    assert list(found(job)) == ["same_final_iteration"]
+
+
 def test_what_outlives_the_job():
     observations = Observations(leftover_processes=["pid 9: python -m inprocess.processes.monitor"],
                                 leftover_shm=["inprocess-hb-1"], fds={"r1": [10, 11, 12, 14, 17, 19, 21, 24],

@@ -18,8 +18,8 @@ checked and what it found wrong:
 ``bounded_resume``         after a restart, every rank the decision keeps starts the next iteration
                            within the bound its configuration implies, or leaves with a documented
                            reason, or is terminated by a later decision
-``same_final_iteration``   the ranks that finish the job (or leave it at a decision that ends it)
-                           do so in one iteration
+``same_final_iteration``   the ranks that finish the job (or leave it at a decision that ends it,
+                           or with a RestartAbort, as RetryController's) do so in one iteration
 ``nothing_left``           (from observations outside the events, :class:`Observations`) no process
                            of the job outlives it, no shared memory and no store key of a finished
                            iteration is left, no process's descriptors grow from restart to restart
@@ -332,7 +332,8 @@ def check_same_final_iteration(processes: list[Process]) -> Finding:
             continue
         reason = p.exit.fields.get("reason")
         how = "completed" if p.exit.fields.get("outcome") == "completed" and reason is None else \
-            "ended by a decision" if reason == "abort_job" else None
+            "ended by a decision" if reason == "abort_job" else \
+            "ended by RestartAbort" if p.exit.fields.get("type") == "RestartAbort" else None
         if how is not None:
             finding.checked += 1
             iteration = p.exit.fields.get("iteration")
