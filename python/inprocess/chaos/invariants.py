@@ -367,12 +367,14 @@ def check_nothing_left(observations: Optional[Observations]) -> Finding:
         third = max(1, len(later) // 3)
         if len(later) >= 6 and min(later[-third:]) > min(later[:third]) + o.fds_slack:
             finding.fail(f"{label}: descriptors grow from restart to restart: {counts}")
+    first_seen: dict[str, int] = {}  # each stale key once, where it was first seen
     for iteration, keys in o.store_keys:
         finding.checked += 1
-        stale = sorted({k for k in keys if (m := _ITERATION_KEY.match(k)) and int(m.group(2)) < iteration - 1})
-        if stale:
-            finding.fail(f"at the start of iteration {iteration} the store still holds keys of finished "
-                         f"iterations: {stale[:8]}")
+        for k in keys:
+            if (m := _ITERATION_KEY.match(k)) and int(m.group(2)) < iteration - 1:
+                first_seen.setdefault(k, iteration)
+    for k, iteration in sorted(first_seen.items(), key=lambda item: item[1]):
+        finding.fail(f"key {k} of a finished iteration still in the store at the start of iteration {iteration}")
     return finding
 
 

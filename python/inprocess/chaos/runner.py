@@ -1,13 +1,13 @@
 """Runs a job under a seeded chaos schedule and checks its invariants: ``python -m inprocess.chaos run``.
 
-The job is :mod:`inprocess.chaos.worker` under ``python -m inprocess.launch`` (``--respawn``: a process
-that dies is replaced, and the new one joins the running job), with the schedule's toolkit faults in
-``INPROCESS_FAULTS``. While it runs, the runner stops the store host at the scheduled restarts (a slow
-store) and checks the invariants on the events written so far, every few seconds; at the end it checks
-them all, with what it observed outside the events (processes left, shared memory, descriptors, the
-store's keys), and prints the report: the seed, the command that replays it, the faults by kind and
-place, the restart times per kind (p50, p99, max), and what each invariant checked. A seed replays the
-same schedule; how the processes interleave is the machine's.
+The job is :mod:`inprocess.chaos.worker` under :mod:`inprocess.chaos.launcher` (``inprocess.launch``'s
+supervisor: a process that dies is replaced, and the new one joins the running job), with the
+schedule's toolkit faults in ``INPROCESS_FAULTS``. While it runs, the runner stops the store host at
+the scheduled restarts (a slow store) and checks the invariants on the events written so far, every
+few seconds; at the end it checks them all, with what it observed outside the events (processes left,
+shared memory, descriptors, the store's keys), and prints the report: the seed, the command that
+replays it, the faults by kind and place, the restart times per kind (p50, p99, max), and what each
+invariant checked. A seed replays the same schedule; how the processes interleave is the machine's.
 """
 
 from __future__ import annotations
@@ -31,23 +31,25 @@ from .schedule import Schedule, draw
 CHECK_EVERY_S = 10.0
 
 
-def _processes_in_session(sid: int) -> dict[int, str]:
-    """pid -> comm of every live process of session ``sid``."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                raw = f.read()
-            with open(f"/proc/{name}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        fields = raw[raw.rfind(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found[int(name)] = comm
-    return found
+def _of_run(pid: str, marker: bytes) -> Optional[str]:
+    """The comm of a live process whose environment holds ``marker``; None for any other (or a zombie).
+    Every process of a run (ranks in sessions of their own, monitors, node agents, the store host
+    forked from rank 0) inherits the run's INPROCESS_EVENTS_DIR."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        if stat[stat.rfind(")") + 2:].split()[0] == "Z" or marker not in pathlib.Path(f"/proc/{pid}/environ")\
+                .read_bytes().split(b"\0"):
+            return None
+        return pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _processes_of_run(events: pathlib.Path) -> dict[int, str]:
+    """pid -> comm of every live process of the run whose events go to ``events``."""
+    marker = f"INPROCESS_EVENTS_DIR={events}".encode()
+    found = {pid: _of_run(pid, marker) for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()}
+    return {int(pid): comm for pid, comm in found.items() if comm is not None}
 
 
 def _shm() -> set[str]:
@@ -69,8 +71,8 @@ class Run:
 
     def command(self) -> list[str]:
         s = self.schedule
-        cmd = [sys.executable, "-m", "inprocess.launch", "--nproc", str(s.world_size), "--respawn", "100000",
-               "--respawn-backoff", "0.1", "--timeout", str(int(self.timeout_s))]
+        cmd = [sys.executable, "-m", "inprocess.chaos.launcher", "--nproc", str(s.world_size), "--respawn-delay",
+               "0.2", "--timeout", str(int(self.timeout_s)), "--events", str(self.events)]
         if s.nodes > 1:
             cmd += ["--ranks-per-node", str(-(-s.world_size // s.nodes))]
         worker = pathlib.Path(__file__).with_name("worker.py")  # a script: importing it would run it
@@ -94,6 +96,8 @@ class Run:
         while self.proc.poll() is None:
             if time.monotonic() > deadline:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                for pid in _processes_of_run(self.events):  # the ranks run in sessions of their own
+                    os.kill(pid, signal.SIGKILL)
                 break
             self._stop_store_if_due()
             if time.monotonic() >= next_check:
@@ -120,7 +124,7 @@ class Run:
         assert self.proc is not None
         duration = stops[self.stops_done][1]
         self.stops_done += 1
-        host = [pid for pid, comm in _processes_in_session(self.proc.pid).items() if comm == "inprocess-store"]
+        host = [pid for pid, comm in _processes_of_run(self.events).items() if comm == "inprocess-store"]
         for pid in host:
             os.kill(pid, signal.SIGSTOP)
         time.sleep(duration)
@@ -140,10 +144,10 @@ class Run:
     def observations(self, shm_before: set[str]) -> invariants.Observations:
         assert self.proc is not None
         deadline = time.monotonic() + 20
-        left = _processes_in_session(self.proc.pid)
+        left = _processes_of_run(self.events)
         while left and time.monotonic() < deadline:
             time.sleep(0.2)
-            left = _processes_in_session(self.proc.pid)
+            left = _processes_of_run(self.events)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         o = invariants.Observations(leftover_processes=[f"pid {p}: {c}" for p, c in left.items()],

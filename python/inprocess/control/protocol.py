@@ -701,8 +701,11 @@ class RestartProtocol:
 
     # -- cleanup --------------------------------------------------------------
 
+    # grow_at, grow_arrivals (engine/grow.py): the rank that scheduled a grow deletes them, but a rank
+    # killed before its next iteration left them for good (the first long chaos run: grow keys of
+    # iterations 181, 214, ... still there at iteration 430); the leader deletes them with the rest.
     _ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left",
-                       "given_up", "progress")
+                       "given_up", "progress", "grow_at", "grow_arrivals")
 
     def delete_iteration(self, iteration: int) -> None:
         if iteration >= 0:
