@@ -122,23 +122,15 @@ class RankProcess:
     popen: subprocess.Popen[str]
     returncode: Optional[int] = None
     output: str = ""
-    # A captured process's output, read as it comes by a thread of its own: a pipe read only once the
-    # ranks before it exited fills (64 KiB), and the rank then blocks in its next write, at any point
-    # of the protocol (issue 31: a storm without the brake "hung" so, every rank at barrier_timeout).
+    # While LocalJob.wait runs: the thread that reads this process's output as it comes (a pipe read
+    # only once the ranks before it exited fills, 64 KiB, and the rank then blocks in its next write,
+    # at any point of the protocol: issue 31's storm without the brake "hung" so, at a barrier).
     reader: Optional[threading.Thread] = None
-    chunks: list[str] = dataclasses.field(default_factory=list)
 
     def read_output(self) -> None:
-        """Until the pipe closes (the reader thread's body)."""
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.chunks.append(line)
-
-    def collect(self, timeout: float) -> None:
-        """The output read so far, once the process exited (its pipe closes with its process group)."""
-        if self.reader is not None:
-            self.reader.join(timeout)
-        self.output = "".join(self.chunks)
+        """Until the process and what holds its pipe exited (a reader thread's body)."""
+        out, _ = self.popen.communicate()
+        self.output = out or ""
 
 
 class LocalJob:
@@ -219,11 +211,7 @@ class LocalJob:
             text=True,
             start_new_session=True,  # one process group per rank: killpg reaps its children too
         )
-        rp = RankProcess(rank, popen)
-        if self.capture:
-            rp.reader = threading.Thread(target=rp.read_output, name=f"rank{rank}-output", daemon=True)
-            rp.reader.start()
-        return rp
+        return RankProcess(rank, popen)
 
     def respawn(self, rank: int, count: int, extra_env: Optional[dict[str, str]] = None) -> RankProcess:
         """Start the ``count``-th replacement of rank ``rank``'s process: the seat's environment, plus
@@ -244,14 +232,17 @@ class LocalJob:
     def wait(self, timeout: Optional[float]) -> list[RankProcess]:
         """Wait for every rank (``timeout`` None: however long); on timeout kill them all and raise TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for rp in self.ranks:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                rp.returncode = rp.popen.wait(timeout=remaining)
-                rp.collect(10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise TimeoutError(f"job did not finish within {timeout:g}s:\n{self.outputs()}") from None
+        readers = []
+        for rp in self.ranks:  # every pipe read at once
+            rp.reader = threading.Thread(target=rp.read_output, name=f"rank{rp.rank}-output", daemon=True)
+            rp.reader.start()
+            readers.append((rp, rp.reader))
+        for rp, reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                self.kill()
+                raise TimeoutError(f"job did not finish within {timeout:g}s:\n{self.outputs()}")
+            rp.returncode = rp.popen.returncode
         return self.ranks
 
     def outputs(self) -> str:
@@ -266,11 +257,14 @@ class LocalJob:
                 except ProcessLookupError:
                     pass
         for rp in every:
-            try:
-                rp.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            rp.collect(10)
+            if rp.reader is not None:  # LocalJob.wait's reader has the pipe: it ends with the process
+                rp.reader.join(10)
+            else:
+                try:
+                    out, _ = rp.popen.communicate(timeout=10)
+                    rp.output = rp.output or (out or "")
+                except (subprocess.TimeoutExpired, ValueError):
+                    pass
             rp.returncode = rp.popen.returncode
             # The process group may hold grandchildren (e.g. a monitor): reap them too.
             try:
