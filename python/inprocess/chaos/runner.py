@@ -188,11 +188,11 @@ def main(args: argparse.Namespace) -> int:
                           partial_checks=run.partial_checks, partial_violations=run.partial_violations,
                           store_stops=run.stops_done, completed_ranks=completed)
     (out / "report.json").write_text(line + "\n")
+    print(f"{run.stops_done} store stops; {completed} ranks completed the job; launcher status {status}")
     if args.json:
         print(line)
     # The job must have completed on some rank. The launcher's own status is reported, not judged: a
     # replacement started in the job's last iteration finds no store once the job ended (its host
     # exited) and exits 1, and the launcher then calls the job failed.
     failed = bool(invariants.violations(findings)) or bool(run.partial_violations) or completed == 0
-    print(f"{run.stops_done} store stops; {completed} ranks completed the job; launcher status {status}")
     return 1 if failed else 0
