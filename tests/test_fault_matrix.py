@@ -122,7 +122,14 @@ def assert_left(res: JobResult, r: int, kind: str) -> None:
 def test_a_kind_on_a_spare_then_a_normal_rank_then_rank_0(tmp_path: pathlib.Path, kind: str) -> None:
     """5 ranks, 3 active and 2 spares (4, 3). Iteration 0: the spare 4 is hit while it waits.
     Iteration 1: rank 2 is hit at step 2 (spare 3 takes its place if it leaves). Iteration 2:
-    rank 0, which started the store host, is hit at step 2."""
+    rank 0, which started the store host, is hit at step 2.
+
+    The spare's fault comes 200 ms into its wait, counted from once every active rank ran a collective
+    (MATRIX_SPARE_GATE). Counted from the iteration's start, under load (5 to 10) it came while the
+    actives were still in init_process_group: a restart cannot release a rank from gloo's full-mesh
+    connect (it waits for the peers' handshake, up to the group's timeout, 10 s here), and its monitor
+    killed it at hard_timeout (4 s): rank 0 ended by SIGTERM (-15) in iteration 0, not by its own SIGINT
+    in iteration 2 (reproduced with two busy loops beside the job, 1 run in 6)."""
     plan = f"{kind}@rank=4,after=200ms;{kind}@rank=2,step=2,iteration=1;{kind}@rank=0,step=2,iteration=2"
     leaves = LEAVES[kind]
     if leaves is None:
@@ -131,7 +138,7 @@ def test_a_kind_on_a_spare_then_a_normal_rank_then_rank_0(tmp_path: pathlib.Path
         plan = f"{kind}@rank=4,after=200ms;{kind}@rank=2,step=2;{kind}@rank=0,step=2,iteration=1"
     first_steps = "150" if kind in SLOW_KINDS else "12"  # iteration 0 outlasts the spare's detection
     res = run_matrix(tmp_path, plan, world_size=5, timeout=130, MATRIX_ACTIVE="3", MATRIX_STEPS="12",
-                     MATRIX_FIRST_STEPS=first_steps)
+                     MATRIX_FIRST_STEPS=first_steps, MATRIX_SPARE_GATE="1")
     if leaves is None:
         for r in (0, 1, 2):
             log = assert_survivor(res, r, 2, 3)

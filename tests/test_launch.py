@@ -252,3 +252,32 @@ def test_free_port_gives_consecutive_listenable_ports_below_the_ephemeral_range(
 def test_free_port_refuses_a_count_below_one() -> None:
     with pytest.raises(ValueError, match=r"count=0: expected a positive int"):
         free_port(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_writes_more_than_a_pipe_holds_does_not_block_before_the_ranks_before_it_exit(
+        tmp_path: pathlib.Path) -> None:
+    """LocalJob (the tests' launcher) read each rank's output only once the ranks before it had exited: a
+    rank that wrote 64 KiB meanwhile blocked in its next write, wherever it was (issue 31: a restart
+    storm without the brake, whose ranks log every restart, "hung" so at a barrier). Rank 1 writes 1 MB,
+    then tells rank 0, which waits for it."""
+    from inprocess.launch import LocalJob
+
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        f"done = pathlib.Path({str(tmp_path / 'done')!r})\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    for _ in range(16):\n"
+        "        sys.stdout.write('x' * 65535 + '\\n')\n"
+        "    sys.stdout.flush()\n"
+        "    done.write_text('1')\n"
+        "else:\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not done.exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    sys.exit(0 if done.exists() else 3)\n")
+    with LocalJob([str(script)], 2) as job:
+        job.wait(90)
+    assert [rp.returncode for rp in job.ranks] == [0, 0]
+    assert len(job.ranks[1].output) == 16 * 65536

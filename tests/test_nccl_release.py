@@ -23,7 +23,7 @@ from typing import Any, Dict
 
 import pytest
 
-from fakes.gpu_fakes import Fakes, build_fakes, run_python, skip_where_torch_loaded_nccl
+from fakes.gpu_fakes import Fakes, build_fakes, run_python, skip_where_torchs_import_loads_nccl
 
 TESTS = pathlib.Path(__file__).resolve().parent
 RANK_DEVICE = 3
@@ -276,7 +276,7 @@ def test_torchs_own_nccl_is_found_before_another_libnccl(fakes: Fakes) -> None:
     """Item 9: another package's libnccl.so.2 is loaded first, and torch has
     NCCL linked into libtorch_cuda.so. dlsym on libtorch_cuda.so's handle
     finds torch's; its version must be what torch.cuda.nccl.version() says."""
-    skip_where_torch_loaded_nccl()  # the case imports torch: a CUDA build's own NCCL would be found first
+    skip_where_torchs_import_loads_nccl()  # the case imports torch: a CUDA build's own NCCL is found first
     out = run_case(fakes, """
         import torch
         other = ctypes.CDLL(fakes["nccl"], mode=os.RTLD_GLOBAL)  # loaded first (cupy, vLLM, nccl4py)

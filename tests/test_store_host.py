@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -133,3 +134,53 @@ def test_orphaned_host_exits_once_no_monitor_heartbeats() -> None:
             proc.wait()
         if host_pid and not _gone(host_pid, 0):
             os.kill(host_pid, signal.SIGKILL)
+
+
+def test_an_orphaned_host_whose_own_connection_closes_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31's long chaos run: the store host, whose starter (rank 0) had died, was stopped for a
+    moment (the runner's slow store) inside its own wait's cancel exchange; its connection gave up on
+    the reply and closed itself (TCPStoreClient._run: "no reply in time"), and its next look at the
+    monitors' heartbeats raised out of serve(): the store exited, and the job with it. Here the host's
+    first connection closes itself so on its third call; serve() runs in a thread of this process."""
+    from inprocess.control.tcpstore_client import StoreConnectionError, TCPStoreClient
+
+    ports: list[int] = []
+    monkeypatch.setattr(store_host, "tell_ready", lambda config, detail: ports.append(int(detail)))
+    made: list[TCPStoreClient] = []
+
+    class ClosesOnItsThirdCall(TCPStoreClient):
+        calls = 0
+
+        def wait(self, keys, timeout=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self is made[0] and self.calls == 3:
+                self.close()
+                raise StoreConnectionError("wait: no reply in time (as after a stop inside its cancel)")
+            return super().wait(keys, timeout)
+
+    def client(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(ClosesOnItsThirdCall(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(store_host, "TCPStoreClient", client)
+    config = StoreHostConfig(port=0, world_size=2, idle_timeout_s=1.0, check_interval_s=0.2)  # no parent: orphaned
+    stop = contract.StopRequest()
+    ended: list[int] = []
+    thread = threading.Thread(target=lambda: ended.append(store_host.serve(config, stop)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store = _client(ports[0])
+        store.set(store_host.CALL_KEY, "0")
+        for _ in range(30):  # 3 s of heartbeats: it reads them every idle_timeout / 4
+            store.add(monitor_heartbeat_key(0, 1), 1)
+            time.sleep(0.1)
+        assert thread.is_alive() and len(made) >= 2, (ended, len(made))  # a new connection, still serving
+        store.set(done_key(0), "1")
+        thread.join(10)
+        assert ended == [store_host.EXIT_OK]
+    finally:
+        stop.set()
+        thread.join(10)

@@ -59,8 +59,10 @@ class CallWrapper:
     def ping(self) -> None:
         """Manual progress: arms the soft/hard timeouts for the rest of the iteration."""
         rec = self._recovery
-        if rec is not None and rec.rt is not None:
-            rec.rt.hang_guard.ping()
+        if rec is not None:
+            rec.storm.step()  # a step: progress, for the storm brake (engine/storm.py)
+            if rec.rt is not None:
+                rec.rt.hang_guard.ping()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:

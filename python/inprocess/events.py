@@ -19,7 +19,7 @@ Each line is a JSON object with at least:
 Kinds and their own fields:
 
 =====================  ======================================================
-``call_start``         world_size, host, pid
+``call_start``         world_size, host, pid, timeouts (the Wrapper's, in seconds)
 ``phase``              phase, iteration: the rank is in this phase until its
                        next ``phase`` event. Phases, in the order a restart
                        goes through them: INITIAL_BARRIER, RUNNING (the
@@ -47,7 +47,11 @@ Kinds and their own fields:
                        to 32 each) with n_left, n_activated, n_deactivated,
                        n_joined, and stayed_active, stayed_spare,
                        started_active (counts), ends_job (null, or why
-                       the job ends)
+                       the job ends); digest (of the decision's JSON:
+                       every rank reads the same), term, joined_lives
+                       ([seat, life] per process admitted), life (of the
+                       seat the writer holds), backoff_s (the storm
+                       brake's wait after it)
 ``exit``               outcome ("completed" or "terminated"), reason,
                        iteration
 =====================  ======================================================
@@ -58,6 +62,8 @@ handful per restart and per iteration: nothing in the training step.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
 import socket
@@ -105,5 +111,18 @@ class EventLog:
             os.close(fd)
 
 
-def call_start_fields(world_size: int) -> dict[str, Any]:
-    return {"world_size": world_size, "host": socket.gethostname(), "pid": os.getpid()}
+def call_start_fields(world_size: int, timeouts: Any = None) -> dict[str, Any]:
+    """``call_start``'s fields; ``timeouts`` (the Wrapper's), in seconds: what bounds a restart."""
+    fields: dict[str, Any] = {"world_size": world_size, "host": socket.gethostname(), "pid": os.getpid()}
+    if timeouts is not None:
+        fields["timeouts"] = {name: value.total_seconds() for name, value in sorted(vars(timeouts).items())
+                              if isinstance(value, datetime.timedelta)}
+    return fields
+
+
+def decision_fields(decision: Any, life: int, backoff_s: float) -> dict[str, Any]:
+    """What identifies a decision in a ``decision`` event (a digest of its JSON, its term, the (seat,
+    life) of each process it admits), the life of the seat the writer holds, and the storm brake's
+    back-off after it: what ``python -m inprocess.chaos check`` compares across ranks."""
+    return {"digest": hashlib.sha256(decision.to_json().encode()).hexdigest()[:16], "term": decision.term,
+            "joined_lives": [list(pair) for pair in decision.joined], "life": life, "backoff_s": backoff_s}

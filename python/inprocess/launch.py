@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any, Optional, Sequence
@@ -127,6 +128,15 @@ class RankProcess:
     popen: subprocess.Popen[str]
     returncode: Optional[int] = None
     output: str = ""
+    # While LocalJob.wait runs: the thread that reads this process's output as it comes (a pipe read
+    # only once the ranks before it exited fills, 64 KiB, and the rank then blocks in its next write,
+    # at any point of the protocol: issue 31's storm without the brake "hung" so, at a barrier).
+    reader: Optional[threading.Thread] = None
+
+    def read_output(self) -> None:
+        """Until the process and what holds its pipe exited (a reader thread's body)."""
+        out, _ = self.popen.communicate()
+        self.output = out or ""
 
 
 class LocalJob:
@@ -228,15 +238,17 @@ class LocalJob:
     def wait(self, timeout: Optional[float]) -> list[RankProcess]:
         """Wait for every rank (``timeout`` None: however long); on timeout kill them all and raise TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for rp in self.ranks:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                out, _ = rp.popen.communicate(timeout=remaining)
-                rp.output = out or ""
-                rp.returncode = rp.popen.returncode
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise TimeoutError(f"job did not finish within {timeout:g}s:\n{self.outputs()}") from None
+        readers = []
+        for rp in self.ranks:  # every pipe read at once
+            rp.reader = threading.Thread(target=rp.read_output, name=f"rank{rp.rank}-output", daemon=True)
+            rp.reader.start()
+            readers.append((rp, rp.reader))
+        for rp, reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                self.kill()
+                raise TimeoutError(f"job did not finish within {timeout:g}s:\n{self.outputs()}")
+            rp.returncode = rp.popen.returncode
         return self.ranks
 
     def outputs(self) -> str:
@@ -251,11 +263,14 @@ class LocalJob:
                 except ProcessLookupError:
                     pass
         for rp in every:
-            try:
-                out, _ = rp.popen.communicate(timeout=10)
-                rp.output = rp.output or (out or "")
-            except (subprocess.TimeoutExpired, ValueError):
-                pass
+            if rp.reader is not None:  # LocalJob.wait's reader has the pipe: it ends with the process
+                rp.reader.join(10)
+            else:
+                try:
+                    out, _ = rp.popen.communicate(timeout=10)
+                    rp.output = rp.output or (out or "")
+                except (subprocess.TimeoutExpired, ValueError):
+                    pass
             rp.returncode = rp.popen.returncode
             # The process group may hold grandchildren (e.g. a monitor): reap them too.
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import pathlib
 import shutil
@@ -79,6 +80,23 @@ def skip_where_torch_is_a_cuda_build() -> None:
     if torch.version.cuda is not None:
         pytest.skip(f"torch {torch.__version__} is a CUDA build: its import loads its own NCCL, beside which the "
                     "fake libnccl cannot be loaded; run with a CPU build of torch, as CI does")
+
+
+def skip_where_torchs_import_loads_nccl() -> None:
+    """For a case that runs in a fresh interpreter and imports torch there (``run_case``): skips it
+    where that import loads a libnccl (a CUDA build of torch), as :func:`skip_where_torch_loaded_nccl`.
+
+    Asked of a fresh interpreter, not of the test process: an earlier test may have loaded the fake
+    libnccl here (``tests/test_nccl_abort.py`` loads it in-process), which says nothing about what
+    torch's import loads, and the skip then blamed torch in every full run of the suite."""
+    result = run_python("import json, torch\nfrom inprocess import _native\n"
+                        "found = _native.NcclLibrary.find_loaded()\nprint(json.dumps(found and found.path))")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    if loaded is not None:
+        pytest.skip(f"importing torch loads its own NCCL ({loaded}): the fake libnccl cannot be loaded beside it "
+                    "(inprocess refuses a second NCCL); run with a CPU build of torch, as CI does; the GPU part "
+                    "of `python -m inprocess.gpu.acceptance` tests the real one")
 
 
 def build_fakes() -> Fakes:

@@ -4,10 +4,12 @@ Configured by environment variables (tests set them):
   INPROCESS_TEST_OUT    directory for this rank's JSON result
   INPROCESS_TEST_PLAN   JSON: {"steps": 40, "faults": [{"iteration": 0, "rank": 2,
                         "step": 5, "kind": "exception"}], "wrapper": {...}}
-Fault kinds: exception, system_exit, keyboard_interrupt, restart_abort, swallow_restart,
+Fault kinds: exception, nccl_error (an exception worded as NCCL's), system_exit, keyboard_interrupt,
+restart_abort, swallow_restart,
 hang (sleep outside any collective: the peers block in theirs), and
 delayed_exception (raise after "delay" seconds, so the peers are certainly
 blocked in a collective waiting for a rank that hangs).
+"no_ping": true: the loop never calls ping() (a function that reports no steps).
 Under torchrun a fault with "restart_count": N fires only in the launcher's
 incarnation N (TORCHELASTIC_RESTART_COUNT); one without it fires in every one.
 """
@@ -47,6 +49,10 @@ def inject(kind):  # noqa: C901 - one branch per fault kind, read as a table
     log["fault_ns"] = time.monotonic_ns()
     if kind == "exception":
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
+    if kind == "nccl_error":
+        # Worded as torch's ProcessGroupNCCL words a failed collective: one message whatever the rank.
+        raise RuntimeError("NCCL error in: /opt/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1968, "
+                           "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5")
     if kind == "system_exit":
         sys.exit(3)
     if kind == "keyboard_interrupt":
@@ -292,7 +298,8 @@ def train(model_seed, call_wrapper: inprocess.CallWrapper = None):
     gen = torch.Generator().manual_seed(1234 + state.active_rank)
     loss = None
     for step in range(PLAN.get("steps", 20)):
-        call_wrapper.ping()
+        if not PLAN.get("no_ping"):
+            call_wrapper.ping()
         for f in PLAN.get("faults", []):
             if (f["iteration"] == it and f["rank"] == INITIAL_RANK and f["step"] == step
                     and f.get("restart_count", RESTART_COUNT) == RESTART_COUNT):
@@ -332,7 +339,7 @@ def main():
     log["restarts"] = [
         {"iteration": r.iteration, "terminated": r.terminated, "n_faults": r.n_faults,
          "faults": [{"rank": f.rank, "type": f.type, "kind": f.kind} for f in r.faults],
-         "duration_s": r.duration_s}
+         "duration_s": r.duration_s, "backoff_s": r.backoff_s, "repeats": r.repeats}
         for r in (call.restarts if call is not None else [])
     ]
     del call

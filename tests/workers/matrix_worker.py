@@ -10,7 +10,9 @@ Environment: INPROCESS_TEST_OUT (directory), MATRIX_STEPS (default 6),
 MATRIX_STEP_SLEEP (default 0.05), MATRIX_FIRST_STEPS (iteration 0's, default
 MATRIX_STEPS), MATRIX_ACTIVE (at most this many active
 ranks: the others are spares), MATRIX_STORE_KEYS=1 (initial rank 0 counts the
-store's keys at each iteration start).
+store's keys at each iteration start), MATRIX_SPARE_GATE=1 (a spare starts iteration 0's wait, and
+its timed faults, only once every active rank ran a collective: then a fault on it never lands in the
+actives' init_process_group, where a restart cannot release a rank in gloo's full-mesh connect).
 """
 
 import datetime
@@ -34,6 +36,7 @@ FIRST_STEPS = int(os.environ.get("MATRIX_FIRST_STEPS", STEPS))  # iteration 0's 
 STEP_SLEEP = float(os.environ.get("MATRIX_STEP_SLEEP", "0.05"))
 MAX_ACTIVE = os.environ.get("MATRIX_ACTIVE")
 COUNT_KEYS = os.environ.get("MATRIX_STORE_KEYS") == "1"
+SPARE_GATE = os.environ.get("MATRIX_SPARE_GATE") == "1"
 logging.basicConfig(level=os.environ.get("INPROCESS_TEST_LOG", "WARNING"),
                     format=f"%(relativeCreated)d r{INITIAL_RANK} %(name)s %(message)s")
 
@@ -69,6 +72,25 @@ kwargs = dict(
     barrier_timeout=td(15), completion_timeout=td(15),
     progress_watchdog_interval=td(0.2), monitor_thread_interval=td(0.2),
 )
+
+
+def trained_marker(rank):
+    return os.path.join(OUT, f"trained{rank}")
+
+
+def spare_gate(state):
+    """A health check that holds a spare's iteration 0 until every active rank ran a collective."""
+    if state.mode != inprocess.Mode.INACTIVE or state.iteration != 0:
+        return
+    deadline = time.monotonic() + 60
+    while sum(os.path.exists(trained_marker(r)) for r in range(state.initial_world_size)) < int(MAX_ACTIVE):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the active ranks did not run a collective within 60 s")
+        time.sleep(0.02)
+
+
+if SPARE_GATE:
+    kwargs["health_check"] = spare_gate
 if MAX_ACTIVE is not None:
     R = inprocess.rank_assignment
     kwargs["rank_assignment"] = inprocess.Compose(R.MaxActiveWorldSize(int(MAX_ACTIVE)), R.ActivateAllRanks(),
@@ -95,6 +117,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         faults.maybe_inject(step)
         total += 1
         dist.all_reduce(total)
+        if SPARE_GATE and state.iteration == 0 and step == 0:
+            open(trained_marker(INITIAL_RANK), "w").close()
         entry["steps"] = step + 1
         time.sleep(STEP_SLEEP)
     dist.destroy_process_group()

@@ -30,6 +30,7 @@ from .leadership import RestartStore, mark_lost
 from .records import Decision, FaultRecord
 from .recovery_plan import leaves
 from .seat_table import SeatTable
+from .short_count import complete_count
 from .store_ops import CountingStore
 
 # Attempts to claim a seat that others keep moving (each move is a real arrival or claim: few).
@@ -111,6 +112,9 @@ def count_out(
             if not _claim_seat(p, initial_rank, raw or "", lost_at, who, seat_life):
                 continue
             if mark_lost(p, lost_at, fault(max(lost_at - 1, 0)), expected_at):
+                # Its add may never have come (nor its ready): the barrier before this one's decision may
+                # be gone already (its keys deleted), so the count is checked against the seats alone.
+                complete_count(p, lost_at, timeout)
                 return lost_at
             # The decision came out first: the rank is counted out of the next barrier, if a member.
             return _count_out_at(p, initial_rank, lost_at + 1, expected_at(lost_at + 1), fault, timeout)

@@ -418,6 +418,16 @@ def admit(
     ``seat_table`` holds the job's seats; ``publish_keys([(r, keys), ...])``
     publishes the admitted joiners' topology keys for their seats, all at once. Returns the admitted
     ``(seat, life)`` pairs in seat order, for the decision.
+
+    Two live leaders of one barrier (the first marked lost by a false "lost", the second leading the
+    next term) both run this, and cannot admit two joiners into one seat (issue 31, point 2): a
+    joiner's outcome is one compare_set from "pending" (the first writer wins, and the other leader
+    reads that outcome back and takes it as its own); both leaders read the announcements in line order
+    and admit the first pending one of a free seat, so both pick the same one, unless it was resolved
+    meanwhile, and then both read its outcome; the outcomes are written before any seat moves; and a
+    seat moves only by compare_set from its previous life's counted-out value to this life's, so a
+    second life for one seat fails there (InternalError, never two holders). Only one of the two
+    decisions is published (the first leader's term is marked lost): the joiners read that one.
     """
     lines, pending, mark_read, _ = keys.pending(barrier)
     if not pending:

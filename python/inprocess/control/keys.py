@@ -21,6 +21,8 @@ prefix unless absolute)
 ``<i>/terminated``          ``CallKeys.iteration``          "r," per initial rank arriving terminated
 ``<i>/left``                ``CallKeys.iteration``          counter of ranks that left after completion
 ``<i>/given_up``            ``CallKeys.iteration``          counter of arrivals that stopped waiting for barrier i
+``<i>/progress``            ``CallKeys.iteration``          counter of reporters that made progress in iteration i
+                                                            (engine/storm.py)
 ``<i>/grow_at``             ``CallKeys.iteration``          the safe point the job grows at (engine/grow.py)
 ``<i>/grow_arrivals``       ``CallKeys.iteration``          counter of ranks waiting at the grow point
 ``<i>/decision``            ``CallKeys.term_outcome``       barrier i's decision (term 0), or a lost mark
@@ -30,6 +32,9 @@ prefix unless absolute)
 ``seat/per_key``            ``CallKeys.seats_per_key``      K, agreed once per call (control/seat_table.py)
 ``monitors/<r>``            ``CallKeys.monitor_heartbeat``  heartbeat counter of rank r's monitor process
 ``topology``                ``CallKeys.topology``           per-rank keys of topology-aware assignments
+``settings``                ``CallKeys.settings``           the digest of the settings every rank must share,
+                                                            written by the first rank at barrier 0
+``settings.first``          ``CallKeys.settings_first``     that rank's settings in full (control/agreement.py)
 ``done``                    ``CallKeys.done``               set when the last rank left; the store host waits
 ``joiner/<token>``          ``CallKeys.joiner``             a joiner's record: pending, then its outcome
 ``joiner/<token>/told``     ``CallKeys.joiner_told``        the joiner read its outcome
@@ -55,9 +60,10 @@ from this table or a key is built anywhere else. This module imports nothing.
 
 from __future__ import annotations
 
-# The keys of one iteration (<i>/<name>): every one of them is deleted with the iteration but the grow's,
-# which the rank that scheduled the grow deletes (engine/grow.py).
-ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left", "given_up")
+# The keys of one iteration (<i>/<name>), deleted with the iteration by the next barrier's leader; the grow's
+# also by the rank that scheduled the grow (engine/grow.py).
+ITERATION_KEYS = ("event", "faults", "completed", "arrivals", "ready", "terminated", "decision", "left", "given_up",
+                  "progress")
 GROW_KEYS = ("grow_at", "grow_arrivals")
 
 STORE_HOST_CALL = "inprocess/store_host/call"
@@ -125,6 +131,12 @@ class CallKeys:
 
     def done(self) -> str:
         return f"{self.prefix}done"
+
+    def settings(self) -> str:
+        return f"{self.prefix}settings"
+
+    def settings_first(self) -> str:
+        return f"{self.prefix}settings.first"
 
     def joiner(self, token: str) -> str:
         return f"{self.prefix}joiner/{token}"

@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Optional
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
 from . import board_arrival, seats
 from .joining import JoinKeys
-from .keys import ITERATION_KEYS, CallKeys, call_prefix
+from .keys import GROW_KEYS, ITERATION_KEYS, CallKeys, call_prefix
 from .leadership import Terms, decide_barrier, parse_lost_mark
 from .node_link import NODE_POLL_S, NodeBoardLink
 from .records import HOST, MAX_FAULTS_IN_DECISION, MAX_MESSAGE, DecideFn, Decision, FaultRecord
@@ -154,6 +154,7 @@ class RestartProtocol:
         # While a decide function runs here: the term it decides (0: the barrier's first leader,
         # t > 0: the t-th to take the lead over), for a decide function that cares (fault injection).
         self.lead_term = 0
+        self.finished = False  # finish_job ran here
 
     @property
     def store(self) -> Any:
@@ -489,7 +490,12 @@ class RestartProtocol:
         except Exception as e:  # the store is gone: say so instead
             return f"barrier {iteration}: the arrivals cannot be read ({type(e).__name__}: {e})"
         text = f"barrier {iteration}: {arrived} of {expected} ranks arrived"
-        if arrived >= expected or self.initial_world_size is None:
+        if arrived >= expected:
+            # Not a contradiction to leave unexplained: the count is not the decision.
+            return (f"{text}, yet it was not decided: the arrival that completes the count sets ready, "
+                    "unless it expected another number of ranks (another WORLD_SIZE), and the leader then "
+                    "decides, unless it was lost while deciding")
+        if self.initial_world_size is None:
             return text
         # A member not arrived yet holds the seat of the barrier before (none before barrier 0).
         missing: list[int] = []
@@ -539,6 +545,7 @@ class RestartProtocol:
             self.finish_job(iteration)
 
     def finish_job(self, iteration: int) -> None:
+        self.finished = True  # this process ended the call: its store host exits on "done", ask it nothing more
         self.delete_iteration(iteration)
         self.delete_iteration(iteration - 1)
         self._delete([self.keys.topology()])
@@ -553,8 +560,11 @@ class RestartProtocol:
     # -- cleanup --------------------------------------------------------------
 
     def delete_iteration(self, iteration: int) -> None:
+        # The grow keys too (engine/grow.py): the rank that scheduled a grow deletes them, but a rank
+        # killed before its next iteration left them for good (the first long chaos run: grow keys of
+        # iterations 181, 214, ... still there at iteration 430); the leader deletes them with the rest.
         if iteration >= 0:
-            self._delete(self.key(iteration, name) for name in ITERATION_KEYS)
+            self._delete(self.key(iteration, name) for name in ITERATION_KEYS + GROW_KEYS)
             self.terms.delete(iteration)
 
     def _delete(self, keys: Iterable[str]) -> None:

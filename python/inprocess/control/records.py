@@ -127,6 +127,9 @@ class Decision:
     # (seat, life) of every process admitted into a free seat (control/joining.py): applied to the
     # previous membership as spares before this decision's table
     joined: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # What the leader measured of the iteration that failed (engine/storm.py: stalls, steps, ran_ms,
+    # restart_ms): the storm brake's one judgement, read alike by every rank; None at barrier 0
+    progress: Optional[dict[str, int]] = None
 
     def to_json(self) -> str:
         fields: dict[str, Any] = {
@@ -148,6 +151,8 @@ class Decision:
             fields["term"] = self.term
         if self.joined:  # only when joiners were admitted: a plain decision is unchanged
             fields["joined"] = [list(pair) for pair in self.joined]
+        if self.progress is not None:
+            fields["progress"] = self.progress
         return json.dumps(fields, separators=(",", ":"))
 
     @staticmethod
@@ -189,6 +194,7 @@ class Decision:
                 # Each term after the first needs a rank of the job lost: never more terms than ranks.
                 term=field_int(d, "term", 0, n) if "term" in d else 0,
                 joined=_joined(d.get("joined", []), n),
+                progress=_progress(d.get("progress")),
             )
         except (ValueError, KeyError, TypeError, InternalError) as e:
             raise InternalError(f"corrupted decision record {raw[:200]!r}: {e}") from e
@@ -204,6 +210,14 @@ def _joined(raw: object, n: int) -> list[tuple[int, int]]:
         seat, life = pair
         out.append((field_int({"seat": seat}, "seat", 0, n - 1), field_int({"life": life}, "life", 1)))
     return out
+
+
+def _progress(raw: object) -> Optional[dict[str, int]]:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > 8:
+        raise ValueError(f"progress={raw!r:.80}: expected an object of at most 8 integers")
+    return {field_str({"name": name}, "name"): field_int(raw, name) for name in raw}
 
 
 # The leader's computation: (terminated initial ranks, faults of i-1, leader) -> decision.

@@ -13,9 +13,10 @@ This module imports no torch.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import datetime
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union, overload
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar, Union, overload
 
 from ..exception import TimeoutError
 from .tcpstore_client import TCPStoreClient
@@ -111,6 +112,26 @@ def wait_in_chunks(
     return None
 
 
+class WaitWatch(Protocol):
+    """What :attr:`CountingStore.watch` holds: told when a wait begins and when it ends."""
+
+    def begin(self, what: str, timeout: Optional[float]) -> None: ...
+
+    def end(self) -> None: ...
+
+
+@contextlib.contextmanager
+def _watching(watch: Optional[WaitWatch], what: str, timeout: Optional[float]) -> Iterator[None]:
+    if watch is None:
+        yield
+        return
+    watch.begin(what, timeout)
+    try:
+        yield
+    finally:
+        watch.end()
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -138,6 +159,8 @@ class CountingStore:
         self.raw = store
         self.calls = 0
         self.requests = 0
+        # Told when each wait begins and ends (inprocess.control.barrier_watch logs the long ones).
+        self.watch: Optional[WaitWatch] = None
 
     def _count(self, requests: int = 1) -> None:
         self.calls += 1
@@ -232,6 +255,19 @@ class CountingStore:
         self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
     ) -> None:
         """Block until ``key`` exists (the store wakes us: no polling)."""
+        with _watching(self.watch, what, timeout):
+            self._wait_key(key, timeout, what, cancelled=cancelled)
+
+    def get_blocking(
+        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+    ) -> bytes:
+        """The value of ``key`` once it exists: :meth:`_get_blocking`."""
+        with _watching(self.watch, what, timeout):
+            return self._get_blocking(key, timeout, what, cancelled=cancelled)
+
+    def _wait_key(
+        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+    ) -> None:
 
         def attempt(seconds: float) -> Optional[bool]:
             try:
@@ -244,7 +280,7 @@ class CountingStore:
 
         wait_in_chunks(attempt, Deadline(timeout), what, f"key {key}", cancelled=cancelled)
 
-    def get_blocking(
+    def _get_blocking(
         self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
     ) -> bytes:
         """The value of ``key`` once it exists: one blocking ``get`` per chunk.
@@ -269,7 +305,7 @@ class CountingStore:
             return wait_in_chunks(attempt_within, Deadline(timeout), what, f"key {key}", cancelled=cancelled)
         set_timeout = getattr(self.raw, "set_timeout", None)
         if set_timeout is None:
-            self.wait_key(key, timeout, what, cancelled=cancelled)
+            self._wait_key(key, timeout, what, cancelled=cancelled)
             return self.get(key)
         previous = self.raw.timeout
 

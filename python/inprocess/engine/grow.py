@@ -27,8 +27,9 @@ does not count it.
 **Cost.** One ``peek`` per rank per look (``check_every`` safe points), plus
 two counter reads on active rank 0; a grow adds one ``add`` per rank. The two
 keys are deleted by the rank that scheduled the grow, when its next iteration
-begins or, if the call ends before the grow point, on the call's way out (a
-restart without a grow pays nothing for them).
+begins or, if the call ends before the grow point, on the call's way out; and
+by the next barrier's leader with the iteration's other keys (two calls per
+restart), should that rank have died first.
 This module imports no torch.
 """
 

@@ -32,11 +32,12 @@ class Leave(enum.Enum):
     COUNTED_OUT = "counted_out"  # a monitor declared this rank lost and counted it out
     DISCARDED = "discarded"  # the rank assignment terminated it
     JOB_ENDED = "abort_job"  # the decision ended the job on every rank (Decision.abort; RestartAbort)
+    GAVE_UP = "barrier_timeout"  # counted in at a barrier that was not decided in time: it gave up there
 
     @property
     def counted_already(self) -> bool:
         """The store knows already: the rank records no fault and does not count itself out."""
-        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ENDED)
+        return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ENDED, Leave.GAVE_UP)
 
 
 class LeaveJob(Exception):

@@ -23,7 +23,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import faults
+from .. import environment, faults
+from ..control.barrier_watch import BarrierWatch
 from ..control.phases import Phase
 from ..control.protocol import COMPLETE, FaultRecord
 from ..events import call_start_fields
@@ -49,10 +50,15 @@ def run_call(
     try:
         try:
             faults.plan_from_environment()  # a malformed INPROCESS_FAULTS fails here, naming the bad part
+            environment.warn_unknown()  # a misspelt INPROCESS_* variable: once per process, with the nearest name
             gpu_settings.warn_once()  # once per process, and only where NCCL can run on a GPU
             rec.open(call_index)
             try:
-                return run(rec, fn, args, kwargs)
+                watch = BarrierWatch.on(rec.runtime.protocol, s.initial_rank, rec.expected_at)  # long waits, at INFO
+                try:
+                    return run(rec, fn, args, kwargs)
+                finally:
+                    watch.close()  # its thread logs a long barrier wait: gone before the runtime
             finally:
                 rec.close()
         finally:
@@ -67,7 +73,7 @@ def run_call(
 def run(rec: Recovery, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The wrapped call from the initial barrier to its return value, or out of the job."""
     rt, s = rec.runtime, rec.state
-    rt.emit("call_start", **call_start_fields(s.initial_world_size))
+    rt.emit("call_start", **call_start_fields(s.initial_world_size, rec.settings.timeouts))
     leaving: LeaveJob
     try:
         if not rec.enter():

@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, NoReturn, Optional
 
 from .. import faults
-from ..control import joining, phases
+from ..control import agreement, joining, phases
 from ..control.membership import Membership
 from ..control.phases import Phase
 from ..control.protocol import HOST, Decision, FaultRecord, RestartProtocol, SeatTaken
@@ -43,7 +43,8 @@ from ..control.recovery_plan import (
     released_at,
     seated,
 )
-from ..exception import HealthCheckError, InternalError, RankDiscarded, RestartAbort, TimeoutError
+from ..events import decision_fields
+from ..exception import BarrierTimeout, HealthCheckError, InternalError, RankDiscarded, RestartAbort, TimeoutError
 from ..gpu.errors import NcclAbortTimeout, leave_for_lost_context, lost_context_in
 from ..rank_assignment import AssignmentRunner, RankAssignmentMismatch
 from ..state import FrozenState, Mode, State
@@ -131,8 +132,12 @@ class Recovery:
         else:
             if keys is not None:
                 self.runtime.protocol.topology.publish([(s.initial_rank, keys)])
+            try:  # ranks launched with other settings (WORLD_SIZE, ...): the job ends at once, naming them
+                agreement.agree_at_barrier_zero(self.runtime.protocol, s.initial_rank, self.job_config)
+            except agreement.SettingsMismatch as e:
+                raise LeaveJob(e, Leave.JOB_ENDED) from None
             decision = self._barrier(0, s.initial_world_size)
-        self.storm.started(decision.host, decision.t_ns)
+        self.storm.started(decision)
         self._carry_out(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
         return True
 
@@ -208,7 +213,7 @@ class Recovery:
         # A joiner enters as a spare: one that became active is counted among the spares activated.
         record.activated = sorted(summary.activated + [r for r in summary.joined
                                                        if decision.membership.mode[r] == Mode.ACTIVE])
-        verdict = self.storm.observe(record, decision.host, decision.t_ns)
+        verdict = self.storm.observe(record, decision)
         self.restarts.append(record)
         self._carry_out(decision, plan, summary)
         self._log_restart(record, verdict)
@@ -225,8 +230,14 @@ class Recovery:
             # stopped heartbeating) and counted it out: it must not count itself in.
             raise LeaveJob(RankDiscarded(f"initial rank {s.initial_rank} was declared lost: {e}"),
                            Leave.COUNTED_OUT) from None
+        except BarrierTimeout as e:  # counted in, and given up (protocol.give_up): nothing more to write
+            raise LeaveJob(e, Leave.GAVE_UP) from None
         assert decision is not None  # a healthy arrival always gets the decision
         return decision
+
+    def expected_at(self, barrier: int) -> int:
+        """How many ranks barrier ``barrier`` counts, as this rank arrives there."""
+        return self.state.initial_world_size if barrier == 0 else self.state.world_size
 
     # -- carrying a plan out -----------------------------------------------------------
 
@@ -307,6 +318,8 @@ class Recovery:
                 read_topology=self._read_topology, takeover=p.lead_term > 0,
             )
             decision.joined = joined
+            # Whether the failed iteration made progress, judged once, for every rank's storm brake.
+            decision.progress = self.storm.judge(p, self.state.iteration).fields() if self.membership else None
             return decision
 
     def _read_topology(self) -> list[list[list[str]]]:
@@ -410,6 +423,7 @@ class Recovery:
 
     def safe_point(self) -> None:
         """A safe point of the function (``CallWrapper.safe_point``): the job may grow here."""
+        self.storm.step()  # a step: progress, for the storm brake (engine/storm.py); atomic() ends here too
         grow, s = self.grow, self.state
         if grow is None or s.mode != Mode.ACTIVE or s.active_world_size is None:
             return
@@ -472,6 +486,7 @@ class Recovery:
     def set_phase(self, phase: Phase) -> None:
         """Enter ``phase``, as its row of the phase table (control/phases.py) says."""
         row = phases.row(phase)
+        self.storm.phase_entered(phase, self.state, self.rt.protocol if self.rt is not None else None)
         if self.rt is not None:
             self.rt.hang_guard.enter(phase)  # the row's hang rule: a restart's hooks get hard_timeout
             self.rt.emit("phase", phase=row.name, iteration=self.state.iteration)
@@ -486,7 +501,8 @@ class Recovery:
         self.runtime.emit("decision", iteration=decision.iteration, world_size=m.world_size,
                           active_world_size=m.active_world_size, terminated=decision.terminated,
                           leader=decision.leader, n_faults=decision.n_faults, faults=records, plan=plan.fields(),
-                          **summary.fields())
+                          **summary.fields(), **decision_fields(decision, self.runtime.protocol.life,
+                                                               self.storm.backoff_s))
 
     def _log_restart(self, record: RestartRecord, verdict: Verdict) -> None:
         """One INFO line on every rank; the summary, as a WARNING, on the lowest active rank

@@ -386,6 +386,8 @@ class RankRuntime:
         sys.excepthook = saved_excepthook
 
     def _call_is_done(self) -> bool:
+        if getattr(self, "protocol", None) is not None and self.protocol.finished:
+            return True  # ended here: the store host exits, and a request now would meet a closed server
         try:
             return bool(self.store.check([done_key(self.call_index, self.incarnation)]))
         except Exception:  # the server went away: so did the call

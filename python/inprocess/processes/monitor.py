@@ -197,7 +197,8 @@ class Monitor:
     @property
     def protocol(self) -> RestartProtocol:
         if self._protocol is None:
-            self._protocol = RestartProtocol(self._connect(), self.args.call, incarnation=self.args.incarnation)
+            self._protocol = RestartProtocol(self._connect(), self.args.call, incarnation=self.args.incarnation,
+                                             initial_world_size=self.args.world_size)  # its seats: short_count
         return self._protocol
 
     def _heartbeat_loop(self) -> None:

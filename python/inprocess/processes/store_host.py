@@ -132,6 +132,12 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, incarnation)
     call: Optional[int] = None
     while not stop.is_set():
+        if client.closed:
+            # Its own connection gave up on a reply (this process was stopped or starved past the
+            # wait's timeout: the chaos runner's slow store did it): a new one, or the job would lose its
+            # store the next time it looks at the monitors (issue 31's long chaos run did).
+            client = TCPStoreClient("127.0.0.1", server.port, timeout=config.check_interval_s)
+            liveness.store = client
         try:
             # Blocking waits: the server wakes this client the moment the key is set.
             if call is None:
@@ -148,7 +154,11 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
                 log.error("lifetime check failed: %s: %s", type(e).__name__, e)
                 time.sleep(config.check_interval_s)
         if not _parent_alive(config.parent_pid):
-            idle = liveness.idle_s(call if call is not None else 0)
+            try:
+                idle = liveness.idle_s(call if call is not None else 0)
+            except Exception as e:  # its connection broke: looked at again with a new one
+                log.warning("could not read the monitors' heartbeats: %s: %s", type(e).__name__, e)
+                continue
             if idle > config.idle_timeout_s:
                 log.warning("the process that started this store is gone and no monitor heartbeat "
                             "advanced for %.0fs: the job is gone", idle)

@@ -1,0 +1,68 @@
+"""The chaos schedule and runner (inprocess/chaos/): a seeded schedule of every fault kind at every place
+the toolkit reaches, and a short run of it, checked for what must never happen."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from inprocess.chaos import schedule as chaos_schedule
+from inprocess.chaos.schedule import ALL_KINDS, Schedule, draw
+from inprocess.faults.plan import FaultPlan
+
+
+def test_a_seed_gives_the_same_schedule_and_its_plan_parses():
+    first, again = draw(11, 60, 8, 2, nodes=2), draw(11, 60, 8, 2, nodes=2)
+    assert first.to_json() == again.to_json() and draw(12, 60, 8, 2).to_json() != first.to_json()
+    assert Schedule.from_json(first.to_json()).to_json() == first.to_json()
+    plan = FaultPlan.parse(first.plan())  # the toolkit takes every entry, or names the one it cannot
+    assert len(plan.faults) >= 40 and plan.seed == 11
+
+
+def test_every_kind_and_every_place_comes_in_a_long_schedule():
+    s = draw(1, 600, 8, 2)
+    assert {f.kind for f in s.faults} == set(ALL_KINDS)
+    places = {f.where for f in s.faults}
+    assert places >= {"step", "after", "abort", "finalize", "health_check", "barrier", "reassignment", "takeover",
+                      "store", "joiner"}, places
+    assert s.joiners and s.store_stops
+
+
+def test_no_fault_of_a_schedule_ends_the_job_by_design():
+    """A KeyboardInterrupt in the leader's rank assignment ends the whole job (tests/test_fault_matrix.py
+    asserts it): the schedule never puts one there; nor an exception in a restart's hook (its rank leaves
+    for good, with a status no launcher replaces); nor a frozen rank at a barrier, which no timeout
+    watches (a gap the first long run found, reported)."""
+    s = draw(2, 2000, 8, 2)
+    assert not [f for f in s.faults if f.where == "reassignment" and f.kind == "sigint"]
+    assert not [f for f in s.faults if f.where in chaos_schedule.HOOK_PHASES and f.kind == "exception"]
+    assert not [f for f in s.faults if f.where == "barrier" and f.kind in chaos_schedule.FROZEN]
+
+
+def test_only_the_kinds_asked_for():
+    s = draw(3, 50, 4, 1, kinds={"exception", "sigkill"})
+    assert {f.kind for f in s.faults} == {"exception", "sigkill"}
+    with pytest.raises(ValueError, match="none of"):
+        draw(3, 5, 4, 1, kinds={"nothing"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_short_seeded_run_breaks_no_invariant(tmp_path: pathlib.Path):
+    """Seed 3: ten faults (a hang at a step, a hang in the health check, SIGINT there, SIGKILL, SIGTERM in a
+    takeover, abort, exceptions, joiners that die) on 3 active ranks and a spare."""
+    run = subprocess.run([sys.executable, "-m", "inprocess.chaos", "run", "--seed", "3", "--faults", "10",
+                          "--ranks", "3", "--spares", "1", "--out", str(tmp_path / "run"), "--json"],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["violations"] == [] and report["partial_violations"] == []
+    assert report["figures"]["restarts"] >= 10, report["figures"]
+    checked = {name: v["checked"] for name, v in report["invariants"].items()}
+    assert all(checked[name] > 0 for name in ("one_decision", "went_on_by_decision", "bounded_resume",
+                                              "counted_at_next", "nothing_left")), checked
+    assert "python -m inprocess.chaos run --seed 3 --faults 10" in run.stdout  # the seed and how to replay it
