@@ -61,11 +61,9 @@ from .store_errors import (
 )
 from .tcpstore_wire import KEY_PREFIX, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST, MAX_VALUE_BYTES, Value
 
-__all__ = [
-    "KEY_PREFIX", "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_VALUE_BYTES", "PIPELINE_BATCH",
-    "StoreConnectionError", "StoreError", "StoreHandshakeClosedError", "StoreProtocolError", "StoreTimeoutError",
-    "TCPStoreClient",
-]
+__all__ = ["KEY_PREFIX", "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_VALUE_BYTES", "PIPELINE_BATCH",
+           "StoreConnectionError", "StoreError", "StoreHandshakeClosedError", "StoreProtocolError",
+           "StoreTimeoutError", "TCPStoreClient"]
 
 _RECV_CHUNK = 64 * 1024
 #: compare_set_many's requests per round trip. A batch of this package's requests (keys and
