@@ -58,7 +58,6 @@ class Skipped(Exception):
 def run_case(name: str, arguments: Dict[str, Any], env: Optional[Dict[str, str]] = None,
              log: Optional[pathlib.Path] = None) -> Dict[str, Any]:
     full = dict(os.environ, **(env or {}))
-    full["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "python"), full.get("PYTHONPATH", "")])
     if log is not None:
         full.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=str(log) + ".%p")
     done = subprocess.run([sys.executable, str(CASES), name, json.dumps(arguments)], capture_output=True,
@@ -73,7 +72,7 @@ def run_job(arguments: Dict[str, Any], ranks: int, env: Dict[str, str], log: Opt
     """``case_restart`` or ``case_multi_rank`` as a job of `ranks` processes (one report per rank)."""
     from inprocess.launch import LocalJob
 
-    job_env = dict(env, PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    job_env = dict(env)
     if log is not None:
         job_env.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=str(log) + ".%p")
     with LocalJob([str(CASES), arguments.pop("case"), json.dumps(arguments)], ranks, env=job_env) as job:

@@ -8,7 +8,8 @@ holds a built ``_native`` module (copy the installed one in: ``cp .../site-packa
 --skip-torchrun`` runs with ``PYTHONPATH=<tree>/python``, A then B, so the machine's noise falls on
 both alike. ``--python``: an interpreter with torch whose site-packages holds no editable install of
 the project (an editable install's import hook would take precedence over ``PYTHONPATH``). Prints
-p50/p90/p99/max per tree over every fault, each round's median, and one JSON line.
+p50/p90/p99/max per tree over every fault, each round's median, and one JSON line. ``--smoke``: this
+checkout against itself, one round of two faults each, with the package this interpreter has installed.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ import subprocess
 import sys
 
 
-def run_once(tree: pathlib.Path, faults: int, python: str) -> list[float]:
-    env = dict(os.environ, PYTHONPATH=str(tree / "python"), INPROCESS_RESTART_STORM="off")
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def run_once(tree: pathlib.Path, faults: int, python: str, installed: bool = False) -> list[float]:
+    env = dict(os.environ, INPROCESS_RESTART_STORM="off")
+    if not installed:
+        env["PYTHONPATH"] = str(tree / "python")
     done = subprocess.run([python, "benchmarks/restart_latency.py", "--skip-torchrun", "--faults", str(faults)],
                           cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -39,17 +45,23 @@ def quantile(values: list[float], q: float) -> float:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("a", type=pathlib.Path)
-    ap.add_argument("b", type=pathlib.Path)
+    ap.add_argument("a", type=pathlib.Path, nargs="?")
+    ap.add_argument("b", type=pathlib.Path, nargs="?")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--faults", type=int, default=12)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--smoke", action="store_true", help="this checkout against itself, briefly")
     ns = ap.parse_args(argv)
+    if ns.smoke:
+        ns.a = ns.b = HERE.parent
+        ns.rounds, ns.faults = 1, 2
+    elif ns.a is None or ns.b is None:
+        ap.error("two trees are needed: A_TREE B_TREE (or --smoke)")
     trees = {"A": ns.a.resolve(), "B": ns.b.resolve()}
     runs: dict[str, list[list[float]]] = {"A": [], "B": []}
     for _ in range(ns.rounds):
         for name, tree in trees.items():
-            runs[name].append(run_once(tree, ns.faults, ns.python))
+            runs[name].append(run_once(tree, ns.faults, ns.python, installed=ns.smoke))
     summary = {}
     for name, rounds in runs.items():
         every = [v * 1e3 for values in rounds for v in values]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from inprocess.compose import Compose
 from inprocess.control import seat_table
+from inprocess.control.counting_out import count_out
 from inprocess.control.membership import Membership
 from inprocess.control.protocol import TERMINATED_UNIT, Decision, FaultRecord, RestartProtocol
 from inprocess.control.tcpstore_client import TCPStoreClient
@@ -70,7 +71,7 @@ def one_takeover(server: dist.TCPStore, call: int, n: int) -> float:
         return FaultRecord(0, iteration, "killed", "SIGKILL", "the leader, lost before its decision")
 
     start = time.monotonic_ns()
-    if monitor.count_out(0, fault, lambda barrier: n, timeout=TIMEOUT_S, who="m0") != 1:
+    if count_out(monitor, 0, fault, lambda barrier: n, timeout=TIMEOUT_S, who="m0") != 1:
         raise SystemExit("the leader was not counted out at barrier 1")
     for t in threads:
         t.join(TIMEOUT_S)

@@ -168,9 +168,13 @@ def train(call_wrapper: inprocess.CallWrapper = None):
         pg.launch_kernel()
     if iteration < plan["faults"]:
         if rank == plan["faulty_rank"]:
+            # Only once the others are in their collective (else, on a loaded machine, the restart
+            # could interrupt them before they are stuck, and nothing would show the abort's release).
+            call_wrapper.store.wait([f"stuck/{iteration}"], datetime.timedelta(seconds=30))
             raise ValueError(f"a fault in iteration {iteration}")
         stuck = time.monotonic()
         try:
+            call_wrapper.store.set(f"stuck/{iteration}", "1")
             nccl.fake_nccl_collective_wait(groups[0].comm, 30000)  # stuck until the abort sets its flag
             time.sleep(30)  # the restart's interrupt arrives by then
         finally:

@@ -38,8 +38,9 @@ import time
 import xml.etree.ElementTree as ElementTree
 from typing import Any, Dict, List, Optional, Sequence
 
-# This file, and the checkout it belongs to (its tests, its python/ source). It is no part of the installed
-# package: it runs the checkout's tests and starts jobs of its own.
+# This file, and the checkout it belongs to (its tests). It is no part of the installed package: it runs the
+# checkout's tests and starts jobs of its own, which import the package this interpreter has installed
+# (`pip install .` or `pip install -e .`: the extension is built only by an install).
 THIS = pathlib.Path(__file__).resolve()
 CHECKOUT = THIS.parents[1]
 # The tests of the GPU layer on its fakes (the no-GPU part).
@@ -141,8 +142,6 @@ def run_pytest(label: str, root: pathlib.Path, targets: Sequence[str], marker: s
     cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", "-m", marker,
            f"--junitxml={xml}"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
-                                                     env.get("PYTHONPATH", "")) if p)
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
@@ -182,8 +181,6 @@ def _torchrun(check: str, nproc: int, env: Dict[str, str], timeout: float) -> su
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={_free_port()}", str(THIS), "--worker", check]
     full = dict(os.environ, **env)
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
-                                                      full.get("PYTHONPATH", "")) if p)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
 
 
@@ -242,8 +239,6 @@ def sticky_error_check() -> Result:
     started = time.monotonic()
     env = dict(os.environ, **README_SETTINGS, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "python"),
-                                                     env.get("PYTHONPATH", "")) if p)
     try:
         done = subprocess.run([sys.executable, str(THIS), "--worker", "sticky"],
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, env=env)

@@ -38,6 +38,7 @@ from typing import Any, Callable
 from inprocess import _native
 from inprocess.compose import Compose
 from inprocess.control import joining, seat_table
+from inprocess.control.counting_out import count_out
 from inprocess.control.membership import Membership
 from inprocess.control.node_link import NodeLink
 from inprocess.control.protocol import COMPLETE, RestartProtocol, monitor_heartbeat_key
@@ -253,7 +254,7 @@ class SimJob:
 
         # A real monitor reads the previous barrier's decision for the expected
         # count (one blocking get); the simulator knows it.
-        barrier = monitor.count_out(rank, fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
+        barrier = count_out(monitor, rank, fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
                                     who=f"m{rank}", in_barrier=False)  # its page would say: RUNNING
         if barrier != restart + 1:
             raise RuntimeError(f"rank {rank} was counted out at barrier {barrier}, expected {restart + 1}")
@@ -267,7 +268,7 @@ class SimJob:
             def lost_fault(iteration: int, lost: int = lost) -> FaultRecord:
                 return FaultRecord(lost, iteration, "killed", "SIGKILL", "simulated: process killed", t_ns=t0)
 
-            b = m.count_out(lost, lost_fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
+            b = count_out(m, lost, lost_fault, lambda b: self.world_size[b - 1], timeout=self.timeout_s,
                             who=f"m{lost}", in_barrier=False)
             if b != restart + 1:
                 raise RuntimeError(f"rank {lost} was counted out at barrier {b}, expected {restart + 1}")
