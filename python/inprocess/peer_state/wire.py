@@ -1,0 +1,54 @@
+"""A snapshot as it travels: byte tensors any transport can move.
+
+In order: the header's length (one int64), the header (UTF-8 JSON: the step, the
+skeleton, the shard, the number of shards, the checksum, each tensor's shape and
+dtype), then every tensor's bytes. A receiver reads the first two, allocates (or
+reuses a spare whose layout fits), then reads the tensors into place.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, List, Optional
+
+import torch
+
+from .snapshot import Snapshot
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def header(snapshot: Snapshot) -> torch.Tensor:
+    text = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
+                       "world": snapshot.world, "checksum": snapshot.checksum,
+                       "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def pieces(snapshot: Snapshot) -> List[torch.Tensor]:
+    """Every byte tensor of `snapshot` in the order they travel."""
+    encoded = header(snapshot)
+    length = torch.tensor([encoded.numel()], dtype=torch.int64)
+    return [byte_view(length), encoded] + [byte_view(t) for t in snapshot.tensors]
+
+
+def read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot]) -> Snapshot:
+    """What :func:`pieces` sent, each piece filled in by `receive` (into `spare` where
+    its layout fits)."""
+    length = torch.zeros(1, dtype=torch.int64)
+    receive(byte_view(length))
+    encoded = torch.empty(int(length.item()), dtype=torch.uint8)
+    receive(encoded)
+    fields = json.loads(bytes(encoded.tolist()).decode())
+    shapes = [(tuple(shape), getattr(torch, dtype)) for shape, dtype in fields["tensors"]]
+    if spare is None or spare.layout() != (fields["skeleton"], shapes):
+        spare = Snapshot(-1, fields["skeleton"], [torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+    spare.step = -1  # being written
+    for t in spare.tensors:
+        receive(byte_view(t))
+    spare.shard, spare.world, spare.checksum = int(fields["shard"]), int(fields["world"]), int(fields["checksum"])
+    spare.step = int(fields["step"])
+    return spare
