@@ -90,7 +90,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     step = state.restore()
     done = state.last_restore
     log["iterations"].append({"iteration": call_wrapper.iteration, "rank": rank, "resumed": step,
-                              "receivers": list(done.receivers), "nbytes": done.nbytes})
+                              "receivers": list(done.receivers), "nbytes": done.nbytes, "sent": done.sent,
+                              "shard_nbytes": state.nbytes})
     write()
     if step is None:  # the job's start, or a shard lost with its copy: the state at step 0 (a checkpoint's place)
         step = 0

@@ -54,7 +54,15 @@ def plan_shards(table: Sequence[Held], world: int) -> Union[Tuple[int, List[int]
             sources.append(shard if shard in holders else holders[0])
         else:
             return step, sources
-    newest = steps[0]
-    lost = [shard for shard in range(world) if not any((shard, newest) in row for row in table)]
-    return (f"shard(s) {', '.join(map(str, lost))} of step {newest} lost with their copies (and no older step "
-            "has every shard)")
+    return _why_no_step(table, world)
+
+
+def _why_no_step(table: Sequence[Held], world: int) -> str:
+    """The shards held at no step (lost with their copies), else each shard's steps."""
+    steps_of = {shard: sorted({step for row in table for s, step in row if s == shard and step >= 0}, reverse=True)
+                for shard in range(world)}
+    lost = [shard for shard, steps in steps_of.items() if not steps]
+    if lost:
+        return f"shard(s) {', '.join(map(str, lost))} lost with their copies (no rank holds them at any step)"
+    held = [f"shard {shard} at step {', '.join(map(str, steps))}" for shard, steps in steps_of.items()]
+    return f"no step has every shard ({'; '.join(held[:8])}{'; ...' if len(held) > 8 else ''})"

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .arguments import DEFAULT_CHUNK_BYTES, check_arguments, check_step
 from .process_group import ProcessGroupTransport
-from .record import RestoreRecord
+from .record import RestoreRecord, size_text
 from .snapshot import Snapshot, load, take
 
 log = logging.getLogger("inprocess")
@@ -90,15 +90,14 @@ class ReplicatedState:
             return None
         receivers = tuple(r for r, step in enumerate(held) if step != newest)
         source = held.index(newest)
-        nbytes = 0
+        received = sent = 0
         if receivers:
             if rank == source:
                 assert complete is not None
-                transport.send(complete, receivers)
-                nbytes = complete.nbytes
+                sent = transport.send(complete, receivers)
             elif rank in receivers:
                 complete = transport.receive(source, receivers)
-                nbytes = complete.nbytes
+                received = complete.nbytes
                 self._buffers = (complete, self._buffers[0])
         assert complete is not None and complete.step == newest
         self._values = load(self._objects, complete, self.rng)
@@ -106,11 +105,11 @@ class ReplicatedState:
         if low != newest:
             raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {newest}) after the transfer")
         seconds = time.monotonic() - started
-        self.last_restore = RestoreRecord(newest, source if receivers else None, receivers, nbytes, seconds)
+        self.last_restore = RestoreRecord(newest, source if receivers else None, receivers, received, seconds, sent)
         if receivers and rank in (source, *receivers):
-            rate = nbytes / 2**20 / max(seconds, 1e-9)
-            log.info("peer state: step %d from rank %d to rank(s) %s: %.1f MB in %.0f ms (%.0f MB/s)",
-                     newest, source, ", ".join(map(str, receivers)), nbytes / 2**20, 1e3 * seconds, rate)
+            rate = complete.nbytes / 2**20 / max(seconds, 1e-9)
+            log.info("peer state: step %d from rank %d to rank(s) %s: %s in %.0f ms (%.0f MB/s)", newest, source,
+                     ", ".join(map(str, receivers)), size_text(complete.nbytes), 1e3 * seconds, rate)
         elif not receivers and rank == 0:
             log.info("peer state: every rank holds step %d: restored from memory in %.0f ms", newest, 1e3 * seconds)
         return newest

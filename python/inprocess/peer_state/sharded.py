@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .arguments import DEFAULT_CHUNK_BYTES, check_arguments, check_step, is_int
 from .planning import held_table, node_key, partners, plan_shards
 from .process_group import ProcessGroupTransport
-from .record import RestoreRecord
+from .record import RestoreRecord, size_text
 from .snapshot import Snapshot, checksum, load, take
 from .transport import Transport
 
@@ -66,6 +66,12 @@ class ShardedState:
     def step(self) -> Optional[int]:
         complete = self._own[0]
         return None if complete is None else complete.step
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of this rank's last complete snapshot of its shard."""
+        complete = self._own[0]
+        return 0 if complete is None else complete.nbytes
 
     @property
     def copy_step(self) -> Optional[int]:
@@ -153,7 +159,7 @@ class ShardedState:
                 log.info("peer state: %s: the function loads its own", plan)
             return None
         step, sources = plan
-        mine, nbytes = self._move_shards(transport, step, sources)
+        mine, received, sent = self._move_shards(transport, step, sources)
         self._values = load(self._objects, mine, self.rng)
         low = min(row[0] for row in transport.rows([step]))
         if low != step:
@@ -164,10 +170,10 @@ class ShardedState:
         self.wait()
         receivers = tuple(shard for shard, source in enumerate(sources) if source != shard)
         seconds = time.monotonic() - started
-        self.last_restore = RestoreRecord(step, None, receivers, nbytes, seconds)
+        self.last_restore = RestoreRecord(step, None, receivers, received, seconds, sent)
         if rank in receivers:
-            log.info("peer state: shard %d of step %d from rank %d: %.1f MB in %.0f ms", rank, step, sources[rank],
-                     nbytes / 2**20, 1e3 * seconds)
+            log.info("peer state: shard %d of step %d from rank %d: %s in %.0f ms", rank, step, sources[rank],
+                     size_text(received), 1e3 * seconds)
         elif rank == 0:
             log.info("peer state: step %d, every shard held%s", step,
                      f"; sent to rank(s) {', '.join(map(str, receivers))}" if receivers else " by its own rank")
@@ -189,11 +195,11 @@ class ShardedState:
                 return snapshot
         return None
 
-    def _move_shards(self, transport: Transport, step: int, sources: List[int]) -> Tuple[Snapshot, int]:
+    def _move_shards(self, transport: Transport, step: int, sources: List[int]) -> Tuple[Snapshot, int, int]:
         """Each shard its rank lacks, from the rank that `sources` names, in shard order:
-        this rank's shard of `step`, and the bytes it sent or received."""
+        this rank's shard of `step`, and the bytes it received and sent."""
         rank = transport.rank
-        nbytes = 0
+        received = sent = 0
         mine = self._held(rank, step)
         for shard, source in enumerate(sources):
             if source == shard:
@@ -201,11 +207,11 @@ class ShardedState:
             if rank == source:
                 held = self._held(shard, step)
                 assert held is not None
-                nbytes += transport.send(held, [shard])
+                sent += transport.send(held, [shard])
             elif rank == shard:
                 mine = transport.receive(source, [shard])
-                nbytes = mine.nbytes
+                received = mine.nbytes
                 if checksum(mine) != mine.checksum:
                     raise RuntimeError(f"peer state: shard {shard} of step {step} from rank {source} is torn")
         assert mine is not None and mine.step == step and mine.shard == rank
-        return mine, nbytes
+        return mine, received, sent
