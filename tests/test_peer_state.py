@@ -265,6 +265,10 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match=r"commit\(step=-1\)"):
         state.commit(-1)
     assert inprocess.ReplicatedState is ReplicatedState
+    with pytest.raises(ValueError, match=r"restore\(weights=\.\.\.\): expected the names registered before \(model\)"):
+        state.restore(weights=model)  # checked before any collective
+    with pytest.raises(RuntimeError, match=r"no object registered.*ShardedState\(model=\.\.\., \.\.\.\) or in restore"):
+        inprocess.ShardedState()._objects.read()
 
 
 def test_a_snapshot_interrupted_midway_leaves_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:

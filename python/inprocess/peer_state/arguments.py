@@ -11,11 +11,14 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_arguments(kind: str, every: int, chunk_bytes: int, objects: Mapping[str, Any]) -> None:
+def check_arguments(kind: str, every: int, chunk_bytes: int) -> None:
     if not is_int(every) or every < 1:
         raise ValueError(f"{kind}(every={every!r}): expected an int >= 1")
     if not is_int(chunk_bytes) or chunk_bytes < 1 << 10:
         raise ValueError(f"{kind}(chunk_bytes={chunk_bytes!r}): expected an int >= 1024")
+
+
+def check_objects(kind: str, objects: Mapping[str, Any]) -> None:
     if not objects:
         raise ValueError(f"{kind}(): name at least one object, e.g. {kind}(model=model)")
     for name, obj in objects.items():

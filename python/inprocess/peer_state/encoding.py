@@ -2,12 +2,16 @@
 
 A value is encoded as a tree of one-key objects: ``{"T": i}`` the i-th tensor,
 ``{"V": x}`` a plain value (bool, int, float, str, None), ``{"D": [[key, node], ...]}``
-a dict (keys plain), ``{"L": [...]}`` a list, ``{"U": [...]}`` a tuple. Nothing else
-is accepted: no pickle on the wire or in memory (design principle 5).
+a dict (keys plain), ``{"L": [...]}`` a list, ``{"U": [...]}`` a tuple, and
+``{"DT": [i, placements, shape, mesh shape]}`` a DTensor whose local shard is the i-th
+tensor (decoded as that local tensor: :mod:`inprocess.peer_state.distributed` makes it a
+DTensor again). Nothing else is accepted: no pickle on the wire or in memory (design
+principle 5).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List
 
 import torch
@@ -18,6 +22,10 @@ PLAIN = (bool, int, float, str, type(None))
 def encode(value: Any, tensors: List[torch.Tensor], path: str = "") -> Any:
     """`value`'s skeleton; its tensors appended to `tensors` in the order they are met."""
     if isinstance(value, torch.Tensor):
+        distributed = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+        if distributed is not None and isinstance(value, distributed.DTensor):
+            tensors.append(value.to_local())
+            return {"DT": [len(tensors) - 1, str(value.placements), list(value.shape), list(value.device_mesh.shape)]}
         tensors.append(value)
         return {"T": len(tensors) - 1}
     if isinstance(value, PLAIN):
@@ -40,8 +48,9 @@ def encode(value: Any, tensors: List[torch.Tensor], path: str = "") -> Any:
 def decode(node: Any, tensors: List[torch.Tensor], clone: bool) -> Any:
     """The value `node` encodes, its tensors taken from `tensors` (copies when `clone`)."""
     (tag, body), = node.items()
-    if tag == "T":
-        return tensors[body].clone() if clone else tensors[body]
+    if tag in ("T", "DT"):
+        t = tensors[body if tag == "T" else body[0]]
+        return t.clone() if clone else t
     if tag == "V":
         return body
     if tag == "D":

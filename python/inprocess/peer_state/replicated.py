@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-from .arguments import DEFAULT_CHUNK_BYTES, check_arguments, check_step
+from .arguments import DEFAULT_CHUNK_BYTES
+from .base import PeerState
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
 from .snapshot import Snapshot, load, take
@@ -14,7 +15,7 @@ from .snapshot import Snapshot, load, take
 log = logging.getLogger("inprocess")
 
 
-class ReplicatedState:
+class ReplicatedState(PeerState):
     """The training state every data-parallel replica holds alike, kept in host
     memory at commit points and sent from a peer to a rank that lacks it.
 
@@ -29,16 +30,10 @@ class ReplicatedState:
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  **objects: Any) -> None:
-        check_arguments("ReplicatedState", every, chunk_bytes, objects)
-        self.every = every
-        self.rng = rng
-        self.chunk_bytes = chunk_bytes
-        self._objects: Dict[str, Any] = dict(objects)
+        super().__init__("ReplicatedState", every, rng, chunk_bytes, objects)
         # (complete, spare): one attribute, replaced in one store, so that an exception that
         # interrupts a snapshot can never leave both names on the same, half-written buffer.
         self._buffers: Tuple[Optional[Snapshot], Optional[Snapshot]] = (None, None)
-        self._values: Dict[str, Any] = {}
-        self.last_restore: Optional[RestoreRecord] = None
 
     @property
     def step(self) -> Optional[int]:
@@ -52,29 +47,24 @@ class ReplicatedState:
         complete = self._buffers[0]
         return 0 if complete is None else complete.nbytes
 
-    @property
-    def values(self) -> Dict[str, Any]:
-        """The plain values given to :meth:`commit` with the snapshot last
-        committed or restored."""
-        return dict(self._values)
-
     def commit(self, step: int, **values: Any) -> bool:
         """The state after `step` steps is complete: snapshot it if `step` is a
         multiple of ``every``. `values`: plain data to keep with it (the data
         loader's position, a counter). True when a snapshot was taken."""
-        check_step("ReplicatedState", step)
-        if step % self.every:
+        if not self._due(step):
             return False
         complete, spare = self._buffers
         self._buffers = (take(self._objects, values, self.rng, step, spare), complete)
         self._values = dict(values)
         return True
 
-    def restore(self, group: Optional[Any] = None) -> Optional[int]:
+    def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
         """Collective over `group` (default: the default process group), on every
         rank of the new iteration before its first step: the newest step any
         rank committed, loaded on every rank (sent to those that lack it);
-        None when no rank holds one. Every rank's step after it is checked equal."""
+        None when no rank holds one. Every rank's step after it is checked equal.
+        `objects`: this iteration's, in place of those registered (the same names)."""
+        self._replace(objects)
         started = time.monotonic()
         transport = ProcessGroupTransport(group, self.chunk_bytes)
         rank = transport.rank

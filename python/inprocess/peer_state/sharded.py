@@ -6,9 +6,10 @@ import logging
 import threading
 import time
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from .arguments import DEFAULT_CHUNK_BYTES, check_arguments, check_step, is_int
+from .arguments import DEFAULT_CHUNK_BYTES, is_int
+from .base import PeerState
 from .planning import held_table, node_key, partners, plan_shards
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
@@ -20,7 +21,7 @@ log = logging.getLogger("inprocess")
 Pair = Tuple[Optional[Snapshot], Optional[Snapshot]]  # (complete, spare)
 
 
-class ShardedState:
+class ShardedState(PeerState):
     """Each rank's own shard of the training state (ZeRO/FSDP style: no two
     ranks hold the same), kept in host memory at commit points, with a copy of
     one partner's last committed shard, so that a rank that takes over gets its
@@ -44,23 +45,17 @@ class ShardedState:
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  distance: Optional[int] = None, **objects: Any) -> None:
-        check_arguments("ShardedState", every, chunk_bytes, objects)
+        super().__init__("ShardedState", every, rng, chunk_bytes, objects, required=False)
         if distance is not None and (not is_int(distance) or distance < 1):
             raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
-        self.every = every
-        self.rng = rng
-        self.chunk_bytes = chunk_bytes
         self.distance = distance
-        self._objects: Dict[str, Any] = dict(objects)
         self._own: Pair = (None, None)
         self._copy: Pair = (None, None)  # the partner's
-        self._values: Dict[str, Any] = {}
         self._exchange: Optional[Transport] = None  # over the private gloo group of this iteration
         self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
         self._pending: Optional[threading.Thread] = None
         self._exchange_error: Optional[BaseException] = None
         self._one_node_said = False
-        self.last_restore: Optional[RestoreRecord] = None
 
     @property
     def step(self) -> Optional[int]:
@@ -79,16 +74,11 @@ class ShardedState:
         complete = self._copy[0]
         return None if complete is None else complete.step
 
-    @property
-    def values(self) -> Dict[str, Any]:
-        return dict(self._values)
-
     def commit(self, step: int, **values: Any) -> bool:
         """This rank's shard after `step` steps is complete: snapshot it if `step` is
         a multiple of ``every``, and send it to its copy's keeper in the background.
         Every rank commits at the same steps (the exchange pairs them)."""
-        check_step("ShardedState", step)
-        if step % self.every:
+        if not self._due(step):
             return False
         if self._exchange is None:
             raise RuntimeError("ShardedState.commit(): call restore() first in each iteration (it sets up the "
@@ -132,11 +122,14 @@ class ShardedState:
         except BaseException as e:  # the restart's abort of the group, a peer's death: kept for wait()
             self._exchange_error = e
 
-    def restore(self, group: Optional[Any] = None) -> Optional[int]:
+    def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
         """Collective over the default process group, on every rank of the new
-        iteration before its first step (and before any commit in it)."""
+        iteration before its first step (and before any commit in it). `objects`:
+        this iteration's, in place of those registered (an FSDP2 module is built and
+        sharded anew in each iteration: it is bound to its process group)."""
         import torch.distributed as dist
 
+        self._replace(objects)
         if group is not None:
             raise ValueError("ShardedState.restore(group=...): only the default process group is supported")
         started = time.monotonic()

@@ -19,6 +19,7 @@ import torch
 
 from . import rng as rng_states
 from .encoding import decode, encode, parts
+from .objects import Objects
 
 
 @dataclasses.dataclass
@@ -41,13 +42,12 @@ class Snapshot:
         return self.skeleton, [(tuple(t.shape), t.dtype) for t in self.tensors]
 
 
-def state_of(objects: Mapping[str, Any], values: Mapping[str, Any], rng: bool) -> Dict[str, Any]:
+def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str, Any]:
     """What a snapshot holds, live: the objects' state dicts, the plain values, the RNG states."""
-    return {"objects": {name: obj.state_dict() for name, obj in objects.items()},
-            "values": dict(values), "rng": rng_states.capture() if rng else None}
+    return {"objects": objects.read(), "values": dict(values), "rng": rng_states.capture() if rng else None}
 
 
-def take(objects: Mapping[str, Any], values: Mapping[str, Any], rng: bool, step: int,
+def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int,
          spare: Optional[Snapshot]) -> Snapshot:
     """The objects' state, `values` and the RNG states, copied into `spare` (reused
     when its layout fits, else a new buffer)."""
@@ -66,18 +66,10 @@ def take(objects: Mapping[str, Any], values: Mapping[str, Any], rng: bool, step:
     return spare
 
 
-def load(objects: Mapping[str, Any], snapshot: Snapshot, rng: bool) -> Dict[str, Any]:
+def load(objects: Objects, snapshot: Snapshot, rng: bool) -> Dict[str, Any]:
     """`snapshot` into the live objects (and the RNG states); its plain values."""
     by_key = parts(json.loads(snapshot.skeleton))
-    held = dict((key, node) for key, node in by_key["objects"]["D"])
-    for name, obj in objects.items():
-        if name not in held:
-            raise RuntimeError(f"peer state: the snapshot holds no {name!r} (it holds {sorted(held)}): "
-                               "every rank must register the same objects")
-        # A module copies what it loads into its own tensors; anything else (an optimizer)
-        # may keep the tensors it is given: it gets copies, never the snapshot's buffers.
-        clone = not isinstance(obj, torch.nn.Module)
-        obj.load_state_dict(decode(held[name], snapshot.tensors, clone))
+    objects.write(parts(by_key["objects"]), snapshot.tensors)
     states = decode(by_key["rng"], snapshot.tensors, clone=True)
     if rng and states is not None:
         rng_states.restore(states)
