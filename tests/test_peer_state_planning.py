@@ -3,7 +3,7 @@ what a restore says when some shard is gone. Pure functions of the table every r
 
 from __future__ import annotations
 
-from inprocess.peer_state.planning import plan_shards
+from inprocess.peer_state.planning import plan_shards, replicated_plan, routes, sharded_plan
 
 NONE = (-1, -1)
 
@@ -36,3 +36,31 @@ def test_the_newest_complete_step_and_its_sources() -> None:
     assert plan_shards(table, 3) == (33, [0, 0, 2])
     assert plan_shards([[NONE] * 4] * 2, 2) == "no rank holds a committed shard (none committed yet, or every " \
                                                "holder lost)"
+
+
+def test_replicated_the_newest_step_every_group_holds_and_the_routes_within_a_group() -> None:
+    """Rows [group key, step, step] by global rank; 2 x 2 layout, data-parallel groups keyed 0 ({0, 2})
+    and 1 ({1, 3}). Group 1 has no rank holding step 7: every group resumes at 6."""
+    rows = [[0, 7, 6], [1, -1, -1], [0, 7, 6], [1, 6, 5]]
+    assert replicated_plan(rows, [0, 2]) == (6, [])  # both hold 6: nothing to send
+    assert replicated_plan(rows, [1, 3]) == (6, [(1, (0,))])  # group rank 1 (global 3) sends to group rank 0
+    assert replicated_plan([[0, -1, -1], [1, 6, 5]], [0]) is None  # group 0 holds nothing: nobody resumes
+
+
+def test_routes_share_the_receivers_among_the_holders() -> None:
+    assert routes([0], [1, 2, 3]) == [(0, (1, 2, 3))]
+    assert routes([0, 4], [1, 2, 3, 5, 6]) == [(0, (1, 3, 6)), (4, (2, 5))]
+    assert routes([0, 1, 2], [3]) == [(0, (3,))]
+    assert routes([0], []) == []
+
+
+def test_sharded_groups_resume_at_a_step_every_group_holds_whole() -> None:
+    """Rows [key, size, (shard, step) x 4]; group 0 (global 0, 2) holds every shard at 5 and 4, group 1
+    (global 1, 3) at 4 only (its rank 0 lost its shard of 5; its copy is one commit behind)."""
+    rows = [[0, 2, 0, 5, 0, 4, 1, 5, 1, 4], [1, 2, -1, -1, -1, -1, -1, -1, -1, -1],
+            [0, 2, 1, 5, 1, 4, 0, 5, 0, 4], [1, 2, 1, 5, 1, 4, 0, 4, -1, -1]]
+    assert sharded_plan(rows, [0, 2]) == (4, [0, 1])
+    assert sharded_plan(rows, [1, 3]) == (4, [1, 1])  # group rank 1 holds shard 0's copy of step 4: it sends
+    lost = [rows[0], [1, 2] + [-1] * 8, rows[2], [1, 2, 1, 5, 1, 4, -1, -1, -1, -1]]
+    assert sharded_plan(lost, [1, 3]) == "shard(s) 0 lost with their copies (no rank holds them at any step)"
+    assert sharded_plan(lost, [0, 2]).startswith("another group lacks a shard of every step this group holds")

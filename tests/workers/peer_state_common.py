@@ -37,11 +37,13 @@ def fault_at(iteration, step):
             raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK} at step {step}")
 
 
-def wrapper(max_active, seconds=10):
-    """The workers' Wrapper: at most `max_active` active ranks, spares shifted in; timeouts
-    `seconds` (soft), twice (hard), thrice (barrier, completion)."""
+def wrapper(max_active, seconds=10, fill_gaps=False):
+    """The workers' Wrapper: at most `max_active` active ranks, spares shifted in (`fill_gaps`: a
+    spare takes a lost rank's number, every other rank keeps its own); timeouts `seconds` (soft),
+    twice (hard), thrice (barrier, completion)."""
     R = inprocess.rank_assignment
     s = datetime.timedelta(seconds=seconds)
+    renumber = R.FillGaps() if fill_gaps else R.ShiftRanks()
     return inprocess.Wrapper(
-        rank_assignment=inprocess.Compose(R.MaxActiveWorldSize(max_active), R.ActivateAllRanks(), R.ShiftRanks()),
+        rank_assignment=inprocess.Compose(R.MaxActiveWorldSize(max_active), R.ActivateAllRanks(), renumber),
         soft_timeout=s, hard_timeout=2 * s, barrier_timeout=3 * s, completion_timeout=3 * s)

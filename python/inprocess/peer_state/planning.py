@@ -34,31 +34,92 @@ def partners(nodes: List[int], distance: Optional[int] = None) -> List[int]:
     return [order[(position[r] + distance) % world] for r in range(world)]
 
 
+Route = Tuple[int, Tuple[int, ...]]  # a source and the ranks it sends one snapshot to
+
+
+def routes(holders: Sequence[int], receivers: Sequence[int]) -> List[Route]:
+    """Each holder sends to an equal share of the receivers (in turn: the first holder the 1st,
+    (h+1)-th, ... receiver), so that no holder serves more than its share; a holder without
+    receivers has no route."""
+    if receivers and not holders:
+        raise ValueError(f"peer state: receivers {list(receivers)} and no holder")
+    shares = [(holder, tuple(receivers[i::len(holders)])) for i, holder in enumerate(holders)]
+    return [(holder, share) for holder, share in shares if share]
+
+
+def replicated_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> Optional[Tuple[int, List[Route]]]:
+    """ReplicatedState's restore, from every rank's row ``[group key, step held, step held]``
+    (-1: none) by global rank: the newest step that every group has a holder of (None: none),
+    and the routes within the group of `members` (its global ranks by group rank), in group ranks."""
+    held: dict[int, set[int]] = {}
+    for key, *steps in rows:
+        held.setdefault(key, set()).update(step for step in steps if step >= 0)
+    common = set.intersection(*held.values()) if held else set()
+    if not common:
+        return None
+    step = max(common)
+    holders = [i for i, g in enumerate(members) if step in rows[g][1:]]
+    receivers = [i for i, g in enumerate(members) if step not in rows[g][1:]]
+    return step, routes(holders, receivers)
+
+
 def held_table(rows: Sequence[Sequence[int]]) -> List[Held]:
     """Every rank's row of flattened (shard, step) pairs, as pairs."""
     return [[(row[i], row[i + 1]) for i in range(0, len(row), 2)] for row in rows]
 
 
+def complete_steps(table: Sequence[Held], world: int) -> set[int]:
+    """The steps at which every shard 0..world-1 is held by some rank."""
+    steps = {step for row in table for _, step in row if step >= 0}
+    return {step for step in steps if all(any((shard, step) in row for row in table) for shard in range(world))}
+
+
+def sources_at(table: Sequence[Held], world: int, step: int) -> List[int]:
+    """Who sends each shard of `step`: its own rank where it holds it, else the lowest holder."""
+    sources = []
+    for shard in range(world):
+        holders = [r for r, row in enumerate(table) if (shard, step) in row]
+        sources.append(shard if shard in holders else holders[0])
+    return sources
+
+
 def plan_shards(table: Sequence[Held], world: int) -> Union[Tuple[int, List[int]], str]:
     """The newest step at which every shard 0..world-1 is held, and who sends each
     (the shard's own rank where it holds it); else why not, in one line."""
-    steps = sorted({step for row in table for shard, step in row if step >= 0}, reverse=True)
+    steps = complete_steps(table, world)
     if not steps:
-        return "no rank holds a committed shard (none committed yet, or every holder lost)"
-    for step in steps:
-        sources = []
-        for shard in range(world):
-            holders = [r for r, row in enumerate(table) if (shard, step) in row]
-            if not holders:
-                break
-            sources.append(shard if shard in holders else holders[0])
-        else:
-            return step, sources
-    return _why_no_step(table, world)
+        return why_no_step(table, world)
+    step = max(steps)
+    return step, sources_at(table, world, step)
 
 
-def _why_no_step(table: Sequence[Held], world: int) -> str:
+def sharded_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> Union[Tuple[int, List[int]], str]:
+    """ShardedState's restore, from every rank's row ``[group key, group size, (shard, step) x 4]``
+    by global rank: the newest step at which every group holds every one of its shards, and who
+    sends each shard of the group of `members` (group ranks); else why not, in one line."""
+    groups: dict[int, List[Held]] = {}
+    sizes: dict[int, int] = {}
+    for key, size, *pairs in rows:
+        groups.setdefault(key, []).extend(held_table([pairs]))
+        sizes[key] = size
+    # a group's table in group-rank order: `members` for this rank's group; the others' order does not
+    # change which steps are complete
+    mine = held_table([rows[g][2:] for g in members])
+    common = set.intersection(*(complete_steps(table, sizes[k]) for k, table in groups.items()))
+    if not common:
+        complete = complete_steps(mine, len(members))
+        if not complete:
+            return why_no_step(mine, len(members))
+        return (f"another group lacks a shard of every step this group holds whole "
+                f"({', '.join(map(str, sorted(complete, reverse=True)))})")
+    step = max(common)
+    return step, sources_at(mine, len(members), step)
+
+
+def why_no_step(table: Sequence[Held], world: int) -> str:
     """The shards held at no step (lost with their copies), else each shard's steps."""
+    if all(step < 0 for row in table for _, step in row):
+        return "no rank holds a committed shard (none committed yet, or every holder lost)"
     steps_of = {shard: sorted({step for row in table for s, step in row if s == shard and step >= 0}, reverse=True)
                 for shard in range(world)}
     lost = [shard for shard, steps in steps_of.items() if not steps]

@@ -26,6 +26,9 @@ class ProcessGroupTransport(Transport):
         self.group = group
         self.chunk = chunk_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # The group's global ranks by group rank; its key, the lowest, names it in a snapshot.
+        self.members = list(range(self.world)) if group is None else dist.get_process_group_ranks(group)
+        self.key = min(self.members)
         if dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .arguments import DEFAULT_CHUNK_BYTES
 from .base import PeerState
+from .planning import Route, replicated_plan
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
 from .snapshot import Snapshot, load, take
+from .transport import Transport
 
 log = logging.getLogger("inprocess")
 
@@ -34,6 +36,7 @@ class ReplicatedState(PeerState):
         # (complete, spare): one attribute, replaced in one store, so that an exception that
         # interrupts a snapshot can never leave both names on the same, half-written buffer.
         self._buffers: Tuple[Optional[Snapshot], Optional[Snapshot]] = (None, None)
+        self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
 
     @property
     def step(self) -> Optional[int]:
@@ -54,52 +57,73 @@ class ReplicatedState(PeerState):
         if not self._due(step):
             return False
         complete, spare = self._buffers
-        self._buffers = (take(self._objects, values, self.rng, step, spare), complete)
+        snapshot = take(self._objects, values, self.rng, step, spare)
+        snapshot.group = self._key
+        self._buffers = (snapshot, complete)
         self._values = dict(values)
         return True
 
     def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
-        """Collective over `group` (default: the default process group), on every
-        rank of the new iteration before its first step: the newest step any
-        rank committed, loaded on every rank (sent to those that lack it);
-        None when no rank holds one. Every rank's step after it is checked equal.
-        `objects`: this iteration's, in place of those registered (the same names)."""
+        """Collective over the default process group, on every rank of the new iteration
+        before its first step: the newest step at which every `group` (default: the
+        default group; each rank names its own, e.g. its data-parallel group) has a rank
+        that holds a snapshot; loaded on every rank, sent within each group to the ranks
+        that lack it; None when there is no such step. A snapshot counts only in a group
+        whose lowest global rank is that of the group it was committed in. Every rank's
+        step after it is checked equal. `objects`: this iteration's, in place of those
+        registered (the same names)."""
         self._replace(objects)
         started = time.monotonic()
-        transport = ProcessGroupTransport(group, self.chunk_bytes)
-        rank = transport.rank
-        complete = self._buffers[0]
-        mine = -1 if complete is None else complete.step
-        held = [row[0] for row in transport.rows([mine])]
-        newest = max(held)
-        if newest < 0:
+        world = ProcessGroupTransport(None, self.chunk_bytes)
+        local = world if group is None else ProcessGroupTransport(group, self.chunk_bytes)
+        self._key = local.key
+        held = {s.step: s for s in self._buffers if s is not None and s.step >= 0 and s.group == local.key}
+        steps = sorted(held, reverse=True)
+        plan = replicated_plan(world.rows([local.key, *steps, -1, -1][:3]), local.members)
+        if plan is None:
             self.last_restore = RestoreRecord(None, None, (), 0, time.monotonic() - started)
-            if rank == 0:
-                log.info("peer state: no rank holds a committed state (none committed yet, or every holder "
-                         "lost): the function loads its own")
+            if world.rank == 0:
+                log.info("peer state: no step held in every group (none committed yet, or every holder lost): "
+                         "the function loads its own")
             return None
-        receivers = tuple(r for r, step in enumerate(held) if step != newest)
-        source = held.index(newest)
-        received = sent = 0
-        if receivers:
-            if rank == source:
-                assert complete is not None
-                sent = transport.send(complete, receivers)
-            elif rank in receivers:
-                complete = transport.receive(source, receivers)
-                received = complete.nbytes
-                self._buffers = (complete, self._buffers[0])
-        assert complete is not None and complete.step == newest
-        self._values = load(self._objects, complete, self.rng)
-        low = min(row[0] for row in transport.rows([complete.step]))
-        if low != newest:
-            raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {newest}) after the transfer")
-        seconds = time.monotonic() - started
-        self.last_restore = RestoreRecord(newest, source if receivers else None, receivers, received, seconds, sent)
-        if receivers and rank in (source, *receivers):
-            rate = complete.nbytes / 2**20 / max(seconds, 1e-9)
-            log.info("peer state: step %d from rank %d to rank(s) %s: %s in %.0f ms (%.0f MB/s)", newest, source,
-                     ", ".join(map(str, receivers)), size_text(complete.nbytes), 1e3 * seconds, rate)
-        elif not receivers and rank == 0:
-            log.info("peer state: every rank holds step %d: restored from memory in %.0f ms", newest, 1e3 * seconds)
-        return newest
+        step, moves = plan
+        snapshot, source, received, sent = self._move(local, step, moves, held.get(step))
+        self._values = load(self._objects, snapshot, self.rng)
+        # The loaded snapshot is the complete one; a newer one (another group lacked its step) is
+        # of a future this job no longer takes: dropped, so that no later restore picks it.
+        older = [s for s in self._buffers if s is not None and s is not snapshot and s.step < step]
+        self._buffers = (snapshot, older[0] if older else None)
+        low = min(row[0] for row in world.rows([snapshot.step]))
+        if low != step:
+            raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {step}) after the transfer")
+        receivers = tuple(r for _, share in moves for r in sorted(share))
+        self.last_restore = RestoreRecord(step, source, tuple(sorted(receivers)), received,
+                                          time.monotonic() - started, sent)
+        self._say(local.rank, snapshot.nbytes)
+        return step
+
+    def _move(self, transport: Transport, step: int, moves: List[Route],
+              mine: Optional[Snapshot]) -> Tuple[Snapshot, Optional[int], int, int]:
+        """This rank's part of the routes: the snapshot of `step` it loads, the source of its
+        route (None: no route), and the bytes it received and sent."""
+        for source, share in moves:
+            if transport.rank == source:
+                assert mine is not None
+                return mine, source, 0, transport.send(mine, share)
+            if transport.rank in share:
+                received = transport.receive(source, share)
+                return received, source, received.nbytes, 0
+        assert mine is not None and mine.step == step
+        return mine, (moves[0][0] if moves else None), 0, 0
+
+    def _say(self, rank: int, nbytes: int) -> None:
+        """The restore's line: on the ranks that sent or received, else on group rank 0."""
+        done = self.last_restore
+        assert done is not None and done.step is not None
+        if done.nbytes or done.sent:
+            rate = nbytes / 2**20 / max(done.seconds, 1e-9)
+            log.info("peer state: step %d from rank %d to rank(s) %s: %s in %.0f ms (%.0f MB/s)", done.step,
+                     done.source, ", ".join(map(str, done.receivers)), size_text(nbytes), 1e3 * done.seconds, rate)
+        elif not done.receivers and rank == 0:
+            log.info("peer state: every rank holds step %d: restored from memory in %.0f ms", done.step,
+                     1e3 * done.seconds)

@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Tuple
 
 from .arguments import DEFAULT_CHUNK_BYTES, is_int
 from .base import PeerState
-from .planning import held_table, node_key, partners, plan_shards
+from .planning import node_key, partners, sharded_plan
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
 from .snapshot import Snapshot, checksum, load, take
@@ -53,6 +53,8 @@ class ShardedState(PeerState):
         self._copy: Pair = (None, None)  # the partner's
         self._exchange: Optional[Transport] = None  # over the private gloo group of this iteration
         self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
+        self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
+        self.keeper: Optional[int] = None  # the global rank that keeps this rank's copy in this iteration
         self._pending: Optional[threading.Thread] = None
         self._exchange_error: Optional[BaseException] = None
         self._one_node_said = False
@@ -87,7 +89,7 @@ class ShardedState(PeerState):
         rank, world, _, _ = self._ring
         complete, spare = self._own
         snapshot = take(self._objects, values, self.rng, step, spare)
-        snapshot.shard, snapshot.world = rank, world
+        snapshot.shard, snapshot.world, snapshot.group = rank, world, self._key
         self._own = (snapshot, complete)
         self._values = dict(values)
         self._start_exchange(snapshot)
@@ -123,38 +125,33 @@ class ShardedState(PeerState):
             self._exchange_error = e
 
     def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
-        """Collective over the default process group, on every rank of the new
-        iteration before its first step (and before any commit in it). `objects`:
+        """Collective over the default process group, on every rank of the new iteration
+        before its first step (and before any commit in it): the state is sharded within
+        `group` (default: the default group; each rank names its own, e.g. its data-parallel
+        group), a shard's copy kept by another rank of its group. The newest step at which
+        every group holds every one of its shards is loaded everywhere, each shard sent to
+        the rank that lacks it; None when there is no such step, saying why. `objects`:
         this iteration's, in place of those registered (an FSDP2 module is built and
         sharded anew in each iteration: it is bound to its process group)."""
-        import torch.distributed as dist
-
         self._replace(objects)
-        if group is not None:
-            raise ValueError("ShardedState.restore(group=...): only the default process group is supported")
         started = time.monotonic()
         self.wait()
-        transport = ProcessGroupTransport(None, self.chunk_bytes)
-        rank, world = transport.rank, transport.world
-        table = held_table(transport.rows(self._held_row(world)))
-        plan = plan_shards(table, world)
-        nodes = [row[0] for row in transport.rows([zlib.crc32(node_key().encode())])]
-        ring = partners(nodes, self.distance)
-        if len(set(nodes)) == 1 and world > 1 and rank == 0 and not self._one_node_said:
-            self._one_node_said = True
-            log.info("peer state: every rank is on one node: a shard's copy is on the same node as the shard")
-        self._exchange = ProcessGroupTransport(dist.new_group(backend="gloo"), self.chunk_bytes)
-        self._ring = (rank, world, ring.index(rank), ring[rank])
+        world = ProcessGroupTransport(None, self.chunk_bytes)
+        local = world if group is None else ProcessGroupTransport(group, self.chunk_bytes)
+        rows = world.rows([local.key, local.world, *self._held_row(local), zlib.crc32(node_key().encode())])
+        plan = sharded_plan([row[:-1] for row in rows], local.members)
+        self._pair_up(local, [rows[g][-1] for g in local.members])
         if isinstance(plan, str):
             self._own = self._copy = (None, None)
             self.last_restore = RestoreRecord(None, None, (), 0, time.monotonic() - started)
-            if rank == 0:
-                log.info("peer state: %s: the function loads its own", plan)
+            if local.rank == 0:
+                log.info("peer state: %s%s: the function loads its own", plan,
+                         "" if group is None else f" (the group of global ranks {local.members})")
             return None
         step, sources = plan
-        mine, received, sent = self._move_shards(transport, step, sources)
+        mine, received, sent = self._move_shards(local, step, sources)
         self._values = load(self._objects, mine, self.rng)
-        low = min(row[0] for row in transport.rows([step]))
+        low = min(row[0] for row in world.rows([step]))
         if low != step:
             raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {step}) after the transfer")
         self._own, self._copy = (mine, None), (None, None)
@@ -164,20 +161,43 @@ class ShardedState(PeerState):
         receivers = tuple(shard for shard, source in enumerate(sources) if source != shard)
         seconds = time.monotonic() - started
         self.last_restore = RestoreRecord(step, None, receivers, received, seconds, sent)
-        if rank in receivers:
-            log.info("peer state: shard %d of step %d from rank %d: %s in %.0f ms", rank, step, sources[rank],
-                     size_text(received), 1e3 * seconds)
-        elif rank == 0:
+        if local.rank in receivers:
+            log.info("peer state: shard %d of step %d from rank %d: %s in %.0f ms", local.rank, step,
+                     sources[local.rank], size_text(received), 1e3 * seconds)
+        elif local.rank == 0:
             log.info("peer state: step %d, every shard held%s", step,
                      f"; sent to rank(s) {', '.join(map(str, receivers))}" if receivers else " by its own rank")
         return step
 
-    def _held_row(self, world: int) -> List[int]:
-        """This rank's (shard, step) pairs, flattened: its two own snapshots, then its two
-        copies ((-1, -1) for none, and for a snapshot of a state with another number of shards)."""
+    def _pair_up(self, local: Transport, nodes: List[int]) -> None:
+        """This iteration's partners within the group (by the members' nodes) and the private
+        gloo group of the copies' exchange."""
+        import torch.distributed as dist
+
+        ring = partners(nodes, self.distance)
+        if len(set(nodes)) == 1 and local.world > 1 and local.rank == 0 and not self._one_node_said:
+            self._one_node_said = True
+            log.info("peer state: every rank of the group is on one node: a shard's copy is on the same node as "
+                     "the shard")
+        if local.world == dist.get_world_size():
+            private = dist.new_group(backend="gloo")
+        else:  # only the group's ranks take part: groups of other ranks are created at the same time
+            private = dist.new_group(local.members, backend="gloo", use_local_synchronization=True)
+        self._exchange = ProcessGroupTransport(private, self.chunk_bytes)
+        # the keeper of this rank's copy and its partner, in the private group's ranks
+        self.keeper = local.members[ring.index(local.rank)]
+        keeper, partner = (self._exchange.members.index(local.members[r]) for r in (ring.index(local.rank),
+                                                                                     ring[local.rank]))
+        self._ring = (local.rank, local.world, keeper, partner)
+        self._key = local.key
+
+    def _held_row(self, local: Transport) -> List[int]:
+        """This rank's (shard, step) pairs, flattened: its two own snapshots, then its two copies
+        ((-1, -1) for none, and for a snapshot committed in another group or number of shards)."""
         mine = []
         for snapshot in (*self._own, *self._copy):
-            usable = snapshot is not None and snapshot.step >= 0 and snapshot.world == world
+            usable = (snapshot is not None and snapshot.step >= 0 and snapshot.world == local.world
+                      and snapshot.group == local.key)
             mine += [snapshot.shard, snapshot.step] if usable and snapshot is not None else [-1, -1]
         return mine
 

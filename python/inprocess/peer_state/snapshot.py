@@ -33,6 +33,7 @@ class Snapshot:
     shard: int = -1  # ShardedState: the rank whose shard it is (its rank when it committed)
     world: int = 0  # ShardedState: how many shards the state had then
     checksum: int = 0  # ShardedState: of the tensors' bytes, as the committing rank computed it
+    group: int = 0  # the lowest global rank of the group it was committed in (0: the default group)
 
     @property
     def nbytes(self) -> int:

@@ -27,6 +27,8 @@ class Transport(abc.ABC):
 
     rank: int  # this process's rank in the group
     world: int  # the group's size
+    members: List[int]  # the group's global ranks, by group rank
+    key: int  # the lowest of them: names the group in a snapshot (0: the default group)
 
     @abc.abstractmethod
     def rows(self, row: Sequence[int]) -> List[List[int]]:

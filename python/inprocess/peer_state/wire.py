@@ -1,8 +1,8 @@
 """A snapshot as it travels: byte tensors any transport can move.
 
 In order: the header's length (one int64), the header (UTF-8 JSON: the step, the
-skeleton, the shard, the number of shards, the checksum, each tensor's shape and
-dtype), then every tensor's bytes. A receiver reads the first two, allocates (or
+skeleton, the shard, the number of shards, the checksum, the group, each tensor's
+shape and dtype), then every tensor's bytes. A receiver reads the first two, allocates (or
 reuses a spare whose layout fits), then reads the tensors into place.
 """
 
@@ -23,7 +23,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def header(snapshot: Snapshot) -> torch.Tensor:
     text = json.dumps({"step": snapshot.step, "skeleton": snapshot.skeleton, "shard": snapshot.shard,
-                       "world": snapshot.world, "checksum": snapshot.checksum,
+                       "world": snapshot.world, "checksum": snapshot.checksum, "group": snapshot.group,
                        "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in snapshot.tensors]})
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
@@ -50,5 +50,6 @@ def read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot]) -> 
     for t in spare.tensors:
         receive(byte_view(t))
     spare.shard, spare.world, spare.checksum = int(fields["shard"]), int(fields["world"]), int(fields["checksum"])
+    spare.group = int(fields["group"])
     spare.step = int(fields["step"])
     return spare
