@@ -41,7 +41,8 @@ def stepped(m):
 
 source = sharded(model())
 first = stepped(source)
-snapshot = take(Objects("ShardedState", {"model": source, "optimizer": first}), {}, False, 1, None)
+snapshot, finish = take(Objects("ShardedState", {"model": source, "optimizer": first}), {}, False, 1, None)
+finish()
 out = {}
 targets = {
     "same": lambda: sharded(model()),

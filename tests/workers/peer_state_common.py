@@ -11,9 +11,9 @@ import signal
 
 import inprocess
 
-PLAN = json.loads(os.environ["INPROCESS_TEST_PLAN"])
-OUT = os.environ["INPROCESS_TEST_OUT"]
-INITIAL_RANK = int(os.environ["RANK"])
+PLAN = json.loads(os.environ.get("INPROCESS_TEST_PLAN", "{}"))  # a job's worker has all three
+OUT = os.environ.get("INPROCESS_TEST_OUT", "")
+INITIAL_RANK = int(os.environ.get("RANK", "-1"))
 
 
 def raw_bytes(t):
@@ -47,3 +47,12 @@ def wrapper(max_active, seconds=10, fill_gaps=False):
     return inprocess.Wrapper(
         rank_assignment=inprocess.Compose(R.MaxActiveWorldSize(max_active), R.ActivateAllRanks(), renumber),
         soft_timeout=s, hard_timeout=2 * s, barrier_timeout=3 * s, completion_timeout=3 * s)
+
+
+def run(train, log):
+    """The wrapped function, its result or exception in this rank's log file."""
+    try:
+        log["result"] = train()
+    except BaseException as e:
+        log["exception"] = f"{type(e).__name__}: {e}"
+    write(log)

@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from peer_state_common import INITIAL_RANK, PLAN, fault_at, raw_bytes, wrapper, write
+from peer_state_common import INITIAL_RANK, PLAN, fault_at, raw_bytes, run, wrapper, write
 
 import inprocess
 
@@ -148,8 +148,4 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     return result
 
 
-try:
-    log["result"] = train()
-except BaseException as e:
-    log["exception"] = f"{type(e).__name__}: {e}"
-write(log)
+run(train, log)

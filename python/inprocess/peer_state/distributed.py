@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .encoding import decode, encode
+from .encoding import decode, encode, in_place, index_of, leaves
 
 
 def has_dtensors(obj: Any) -> bool:
@@ -59,46 +59,32 @@ def read(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) ->
     return dcp.get_optimizer_state_dict(module, optimizer)
 
 
-def leaves(node: Any, tensors: List[torch.Tensor], path: str = "") -> Dict[str, str]:
+def described(node: Any, tensors: List[torch.Tensor]) -> Dict[str, str]:
     """Every tensor of an encoded state dict by its path: its dtype and local shape, and for a
     DTensor its placements, global shape and mesh shape."""
-    (tag, body), = node.items()
-    if tag == "T":
-        t = tensors[body]
-        return {path: f"a tensor {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"}
-    if tag == "DT":
-        index, placements, shape, mesh = body
-        t = tensors[index]
-        return {path: f"a DTensor {placements} of {shape} on a mesh {mesh} (local shard "
-                      f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)})"}
-    found: Dict[str, str] = {}
-    if tag == "D":
-        for key, item in body:
-            found.update(leaves(item, tensors, f"{path}.{key}" if path else str(key)))
-    elif tag in ("L", "U"):
-        for i, item in enumerate(body):
-            found.update(leaves(item, tensors, f"{path}[{i}]"))
+    found = {}
+    for path, leaf in leaves(node).items():
+        t = tensors[index_of(leaf)]
+        local = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+        if "DT" in leaf:
+            _, placements, shape, mesh = leaf["DT"]
+            found[path] = f"a DTensor {placements} of {shape} on a mesh {mesh} (local shard {local})"
+        else:
+            found[path] = f"a tensor {local}"
     return found
 
 
 def holds_dtensors(node: Any) -> bool:
     """Whether an encoded state holds a DTensor."""
-    (tag, body), = node.items()
-    if tag == "DT":
-        return True
-    if tag == "D":
-        return any(holds_dtensors(item) for _, item in body)
-    if tag in ("L", "U"):
-        return any(holds_dtensors(item) for item in body)
-    return False
+    return any("DT" in leaf for leaf in leaves(node).values())
 
 
 def check(name: str, held: Any, held_tensors: List[torch.Tensor], live: Any) -> None:
     """Raises, naming the first difference, unless the snapshot's node `held` has the same
     FQNs, placements and shapes as `live` (this iteration's state dict)."""
     live_tensors: List[torch.Tensor] = []
-    expected = leaves(encode(live, live_tensors), live_tensors)
-    found = leaves(held, held_tensors)
+    expected = described(encode(live, live_tensors), live_tensors)
+    found = described(held, held_tensors)
     if found == expected:
         return
     for path in sorted(set(found) | set(expected)):
@@ -124,22 +110,32 @@ def rewrap(value: Any, live: Any) -> Any:
     return value
 
 
-def write(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], held: Mapping[str, Any],
-          tensors: List[torch.Tensor], module_name: str) -> None:
-    """Checks every part against this iteration's objects, then loads them: the module's, then
-    each optimizer's (cleared where its snapshot is None)."""
+def live(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], held: Mapping[str, Any],
+         tensors: List[torch.Tensor], module_name: str) -> Dict[str, Any]:
+    """This iteration's state dicts of the module and of each optimizer whose snapshot is not
+    None (reading initialises a fresh optimizer's state), each checked against the snapshot."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    live = {module_name: read(module, None)}
+    states = {module_name: read(module, None)}
     for name, optimizer in optimizers.items():
         if held[name] != {"V": None}:
-            live[name] = dcp.get_optimizer_state_dict(module, optimizer)  # initialises a fresh one's state
-    for name, state in live.items():
+            states[name] = dcp.get_optimizer_state_dict(module, optimizer)
+    for name, state in states.items():
         check(name, held[name], tensors, state)
-    dcp.set_model_state_dict(module, rewrap(decode(held[module_name], tensors, clone=False), live[module_name]))
+    return states
+
+
+def write(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], held: Mapping[str, Any],
+          tensors: List[torch.Tensor], states: Mapping[str, Any], module_name: str, transient: bool) -> None:
+    """Loads the module's part, then each optimizer's (cleared where its snapshot is None);
+    `states`: :func:`live`'s. `transient`: as in :meth:`Objects.write`."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    if not (transient and in_place(held[module_name], tensors, states[module_name])):
+        dcp.set_model_state_dict(module, rewrap(decode(held[module_name], tensors, clone=False), states[module_name]))
     for name, optimizer in optimizers.items():
-        if name in live:  # the optimizer keeps what it is given: copies, never the snapshot's buffers
-            state = rewrap(decode(held[name], tensors, clone=True), live[name])
+        if name in states:  # the optimizer keeps what it is given: copies, unless transient
+            state = rewrap(decode(held[name], tensors, clone=not transient), states[name])
             dcp.set_optimizer_state_dict(module, optimizer, state)
         else:
             optimizer.state.clear()

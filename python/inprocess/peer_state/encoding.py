@@ -59,6 +59,61 @@ def decode(node: Any, tensors: List[torch.Tensor], clone: bool) -> Any:
     return items if tag == "L" else tuple(items)
 
 
+def leaves(node: Any, path: str = "") -> dict[str, Any]:
+    """Every tensor node ("T" or "DT") under `node`, by its path (``a.b[2].c``)."""
+    (tag, body), = node.items()
+    if tag in ("T", "DT"):
+        return {path: node}
+    found: dict[str, Any] = {}
+    if tag == "D":
+        for key, item in body:
+            found.update(leaves(item, f"{path}.{key}" if path else str(key)))
+    elif tag in ("L", "U"):
+        for i, item in enumerate(body):
+            found.update(leaves(item, f"{path}[{i}]"))
+    return found
+
+
+def index_of(leaf: Any) -> int:
+    """The index of a tensor node's tensor."""
+    (tag, body), = leaf.items()
+    return int(body if tag == "T" else body[0])
+
+
+def without_tensors(node: Any) -> Any:
+    """`node` with every tensor node replaced by ``"T"``: its plain values and structure."""
+    (tag, body), = node.items()
+    if tag in ("T", "DT"):
+        return "T"
+    if tag == "D":
+        return {"D": [[key, without_tensors(item)] for key, item in body]}
+    if tag in ("L", "U"):
+        return {tag: [without_tensors(item) for item in body]}
+    return node
+
+
+def in_place(held: Any, tensors: List[torch.Tensor], live: Any) -> bool:
+    """Whether the snapshot's node `held` is the `live` state as it is: the same plain values,
+    and every tensor the live state's own tensor at its path."""
+    own: List[torch.Tensor] = []
+    encoded = encode(live, own)
+    if without_tensors(held) != without_tensors(encoded):
+        return False
+    theirs = leaves(encoded)
+    return all(tensors[index_of(leaf)].data_ptr() == own[index_of(theirs[path])].data_ptr()
+               and tensors[index_of(leaf)].shape == own[index_of(theirs[path])].shape
+               for path, leaf in leaves(held).items())
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What identifies a tensor's memory across views of it (a parameter and its ``detach()``;
+    a DTensor: its local shard)."""
+    distributed = sys.modules.get("torch.distributed.tensor")
+    if distributed is not None and isinstance(t, distributed.DTensor):
+        t = t.to_local()
+    return t.data_ptr(), t.numel(), t.dtype
+
+
 def parts(skeleton: Any) -> dict[str, Any]:
     """The top-level dict of an encoded snapshot, by key (its nodes still encoded)."""
     (tag, body), = skeleton.items()

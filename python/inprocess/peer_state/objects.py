@@ -10,13 +10,13 @@ iteration builds anew (an FSDP2 module is bound to the process group it was shar
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Set, Tuple
 
 import torch
 
 from . import distributed
 from .arguments import check_objects
-from .encoding import decode
+from .encoding import decode, encode, in_place, index_of, leaves, storage_key
 
 
 class Objects:
@@ -54,26 +54,76 @@ class Objects:
                 states[name] = obj.state_dict()
         return states
 
-    def write(self, held: Mapping[str, Any], tensors: List[torch.Tensor]) -> None:
-        """The snapshot's nodes (`held`, by name, still encoded) into the objects, each checked
-        first: a name the snapshot lacks, a DTensor state under another sharding."""
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        return [obj for obj in self._objects.values() if isinstance(obj, torch.optim.Optimizer)]
+
+    def optimized(self) -> Set[Tuple[int, int, torch.dtype]]:
+        """The :func:`storage_key` of every parameter of the registered optimizers and of every
+        tensor of their state: what their ``step()`` changes."""
+        keys: Set[Tuple[int, int, torch.dtype]] = set()
+        for optimizer in self.optimizers():
+            tensors = [p for group in optimizer.param_groups for p in group["params"]]
+            tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+            keys.update(storage_key(t) for t in tensors)
+        return keys
+
+    def live(self, held: Mapping[str, Any], tensors: List[torch.Tensor]) -> Dict[str, Any]:
+        """This iteration's state of every object, by name, checked against the snapshot's
+        nodes (`held`, still encoded, with its `tensors`, or tensors of their shapes) before
+        anything is written: a name the snapshot lacks, DTensors where the object has none, a
+        DTensor state of other FQNs, placements or shapes."""
         missing = sorted(set(self._objects) - set(held))
         if missing:
             raise RuntimeError(f"peer state: the snapshot holds no {', '.join(map(repr, missing))} (it holds "
                                f"{sorted(held)}): every rank must register the same objects")
         module, optimizers = distributed.split(self._objects)
-        for name in self._objects:
-            if name != module and name not in optimizers and distributed.holds_dtensors(held[name]):
-                raise RuntimeError(f"peer state: the snapshot of {name!r} holds DTensors and this iteration's "
-                                   f"{name} has none: register the module that fully_shard (or parallelize_module) "
-                                   "wrapped, as on the rank that committed it")
-        if module is not None:
-            distributed.write(self._objects[module], {name: self._objects[name] for name in optimizers}, held,
-                              tensors, module)
+        states = {}
         for name, obj in self._objects.items():
             if name == module or name in optimizers:
                 continue
-            # A module copies what it loads into its own tensors; anything else (an optimizer)
-            # may keep the tensors it is given: it gets copies, never the snapshot's buffers.
-            clone = not isinstance(obj, torch.nn.Module)
-            obj.load_state_dict(decode(held[name], tensors, clone))
+            if distributed.holds_dtensors(held[name]):
+                raise RuntimeError(f"peer state: the snapshot of {name!r} holds DTensors and this iteration's "
+                                   f"{name} has none: register the module that fully_shard (or parallelize_module) "
+                                   "wrapped, as on the rank that committed it")
+            states[name] = obj.state_dict()
+        if module is not None:
+            states.update(distributed.live(self._objects[module], {n: self._objects[n] for n in optimizers}, held,
+                                           tensors, module))
+        return states
+
+    def destinations(self, held: Mapping[str, Any], tensors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """The snapshot's tensors that can be received in place, into the objects' own tensors of
+        the same path, shape and dtype (contiguous, in host memory): by their index in the snapshot."""
+        live = self.live(held, tensors)
+        into: Dict[int, torch.Tensor] = {}
+        for name, state in live.items():
+            own: List[torch.Tensor] = []
+            theirs = leaves(encode(state, own))
+            for path, leaf in leaves(held[name]).items():
+                mine = theirs.get(path)
+                if mine is None or path == "":
+                    continue
+                t, wanted = own[index_of(mine)], tensors[index_of(leaf)]
+                if (t.shape, t.dtype) == (wanted.shape, wanted.dtype) and t.is_contiguous() and t.device.type == "cpu":
+                    into[index_of(leaf)] = t
+        return into
+
+    def write(self, held: Mapping[str, Any], tensors: List[torch.Tensor], transient: bool = False) -> None:
+        """The snapshot's nodes (`held`, by name, still encoded) into the objects, checked first
+        (:meth:`live`). `transient`: the snapshot's tensors are not kept (received for this load):
+        an object may keep them, and a module whose every tensor was received in place is not
+        loaded again."""
+        live = self.live(held, tensors)
+        module, optimizers = distributed.split(self._objects)
+        if module is not None:
+            distributed.write(self._objects[module], {name: self._objects[name] for name in optimizers}, held,
+                              tensors, live, module, transient)
+        for name, obj in self._objects.items():
+            if name == module or name in optimizers:
+                continue
+            if isinstance(obj, torch.nn.Module):
+                if not (transient and in_place(held[name], tensors, live[name])):
+                    obj.load_state_dict(decode(held[name], tensors, clone=False))  # a module copies what it loads
+            else:  # may keep the tensors it is given: copies of the snapshot's buffers, unless transient
+                obj.load_state_dict(decode(held[name], tensors, clone=not transient))
+

@@ -11,7 +11,7 @@ from .base import PeerState
 from .planning import Route, replicated_plan
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
-from .snapshot import Snapshot, load, take
+from .snapshot import Pair, Snapshot, destinations, kept_and_spare, load
 from .transport import Transport
 
 log = logging.getLogger("inprocess")
@@ -31,23 +31,24 @@ class ReplicatedState(PeerState):
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 **objects: Any) -> None:
-        super().__init__("ReplicatedState", every, rng, chunk_bytes, objects)
-        # (complete, spare): one attribute, replaced in one store, so that an exception that
-        # interrupts a snapshot can never leave both names on the same, half-written buffer.
-        self._buffers: Tuple[Optional[Snapshot], Optional[Snapshot]] = (None, None)
+                 background: bool = False, **objects: Any) -> None:
+        super().__init__("ReplicatedState", every, rng, chunk_bytes, background, objects)
+        # Two buffers, one attribute, replaced in one store, so that an exception that interrupts a
+        # snapshot can never leave both on the same, half-written buffer; a commit writes into the
+        # one that is not the newest complete snapshot (kept_and_spare).
+        self._buffers: Pair = (None, None)
         self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
 
     @property
     def step(self) -> Optional[int]:
         """The step of the last complete snapshot this rank holds (None: none)."""
-        complete = self._buffers[0]
+        complete = kept_and_spare(self._buffers)[0]
         return None if complete is None else complete.step
 
     @property
     def nbytes(self) -> int:
         """The bytes of the last complete snapshot (host memory holds up to twice that: two buffers)."""
-        complete = self._buffers[0]
+        complete = kept_and_spare(self._buffers)[0]
         return 0 if complete is None else complete.nbytes
 
     def commit(self, step: int, **values: Any) -> bool:
@@ -56,10 +57,11 @@ class ReplicatedState(PeerState):
         loader's position, a counter). True when a snapshot was taken."""
         if not self._due(step):
             return False
-        complete, spare = self._buffers
-        snapshot = take(self._objects, values, self.rng, step, spare)
+        self.wait_copy()
+        kept, spare = kept_and_spare(self._buffers)
+        snapshot = self._take(values, step, spare)
         snapshot.group = self._key
-        self._buffers = (snapshot, complete)
+        self._buffers = (snapshot, kept)
         self._values = dict(values)
         return True
 
@@ -72,7 +74,7 @@ class ReplicatedState(PeerState):
         whose lowest global rank is that of the group it was committed in. Every rank's
         step after it is checked equal. `objects`: this iteration's, in place of those
         registered (the same names)."""
-        self._replace(objects)
+        self._replace(objects)  # (after the last commit's background copy)
         started = time.monotonic()
         world = ProcessGroupTransport(None, self.chunk_bytes)
         local = world if group is None else ProcessGroupTransport(group, self.chunk_bytes)
@@ -88,11 +90,6 @@ class ReplicatedState(PeerState):
             return None
         step, moves = plan
         snapshot, source, received, sent = self._move(local, step, moves, held.get(step))
-        self._values = load(self._objects, snapshot, self.rng)
-        # The loaded snapshot is the complete one; a newer one (another group lacked its step) is
-        # of a future this job no longer takes: dropped, so that no later restore picks it.
-        older = [s for s in self._buffers if s is not None and s is not snapshot and s.step < step]
-        self._buffers = (snapshot, older[0] if older else None)
         low = min(row[0] for row in world.rows([snapshot.step]))
         if low != step:
             raise RuntimeError(f"peer state: ranks resumed at different steps ({low} and {step}) after the transfer")
@@ -104,17 +101,27 @@ class ReplicatedState(PeerState):
 
     def _move(self, transport: Transport, step: int, moves: List[Route],
               mine: Optional[Snapshot]) -> Tuple[Snapshot, Optional[int], int, int]:
-        """This rank's part of the routes: the snapshot of `step` it loads, the source of its
-        route (None: no route), and the bytes it received and sent."""
-        for source, share in moves:
-            if transport.rank == source:
-                assert mine is not None
-                return mine, source, 0, transport.send(mine, share)
-            if transport.rank in share:
-                received = transport.receive(source, share)
-                return received, source, received.nbytes, 0
+        """This rank's part of the routes, and the load: the snapshot of `step`, the source of
+        this rank's route (None: no route), and the bytes it received and sent. A source loads
+        while its snapshot leaves; a receiver receives in place where it can, and keeps no buffer
+        (the received tensors are the objects' now: it holds a snapshot again at its next commit)."""
+        route = next(((source, share) for source, share in moves if transport.rank in (source, *share)), None)
+        if route is not None and transport.rank != route[0]:
+            source, share = route
+            received = transport.receive(source, share, destinations=lambda skeleton, shapes: destinations(
+                self._objects, skeleton, shapes))
+            self._values = load(self._objects, received, self.rng, transient=True)
+            self._buffers = (None, None)
+            return received, source, received.nbytes, 0
         assert mine is not None and mine.step == step
-        return mine, (moves[0][0] if moves else None), 0, 0
+        finish = transport.send(mine, route[1]) if route is not None else (lambda: 0)
+        self._values = load(self._objects, mine, self.rng)
+        # The loaded snapshot is the complete one; a newer one (another group lacked its step) is
+        # of a future this job no longer takes: dropped, so that no later restore picks it.
+        older = [s for s in self._buffers if s is not None and s is not mine and s.step < step]
+        self._buffers = (mine, older[0] if older else None)
+        shown = route[0] if route is not None else (moves[0][0] if moves else None)  # a source, as the record says
+        return mine, shown, 0, finish()
 
     def _say(self, rank: int, nbytes: int) -> None:
         """The restore's line: on the ranks that sent or received, else on group rank 0."""

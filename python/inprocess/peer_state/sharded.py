@@ -13,12 +13,11 @@ from .base import PeerState
 from .planning import node_key, partners, sharded_plan
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
-from .snapshot import Snapshot, checksum, load, take
+from .snapshot import Pair, Snapshot, checksum, kept_and_spare, load
 from .transport import Transport
 
 log = logging.getLogger("inprocess")
 
-Pair = Tuple[Optional[Snapshot], Optional[Snapshot]]  # (complete, spare)
 
 
 class ShardedState(PeerState):
@@ -44,8 +43,8 @@ class ShardedState(PeerState):
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 distance: Optional[int] = None, **objects: Any) -> None:
-        super().__init__("ShardedState", every, rng, chunk_bytes, objects, required=False)
+                 distance: Optional[int] = None, background: bool = False, **objects: Any) -> None:
+        super().__init__("ShardedState", every, rng, chunk_bytes, background, objects, required=False)
         if distance is not None and (not is_int(distance) or distance < 1):
             raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
         self.distance = distance
@@ -61,13 +60,13 @@ class ShardedState(PeerState):
 
     @property
     def step(self) -> Optional[int]:
-        complete = self._own[0]
+        complete = kept_and_spare(self._own)[0]
         return None if complete is None else complete.step
 
     @property
     def nbytes(self) -> int:
         """The bytes of this rank's last complete snapshot of its shard."""
-        complete = self._own[0]
+        complete = kept_and_spare(self._own)[0]
         return 0 if complete is None else complete.nbytes
 
     @property
@@ -87,10 +86,10 @@ class ShardedState(PeerState):
                                "exchange with the partners of this iteration's ranks)")
         self.wait()
         rank, world, _, _ = self._ring
-        complete, spare = self._own
-        snapshot = take(self._objects, values, self.rng, step, spare)
+        kept, spare = kept_and_spare(self._own)
+        snapshot = self._take(values, step, spare)
         snapshot.shard, snapshot.world, snapshot.group = rank, world, self._key
-        self._own = (snapshot, complete)
+        self._own = (snapshot, kept)
         self._values = dict(values)
         self._start_exchange(snapshot)
         return True
@@ -113,6 +112,9 @@ class ShardedState(PeerState):
 
     def _exchange_copies(self, snapshot: Snapshot) -> None:
         try:
+            self.wait_copy()
+            if snapshot.step < 0:
+                raise RuntimeError("the snapshot's background copy failed")
             snapshot.checksum = checksum(snapshot)
             _, world, keeper, partner = self._ring
             if world == 1 or self._exchange is None:
@@ -212,7 +214,8 @@ class ShardedState(PeerState):
         """Each shard its rank lacks, from the rank that `sources` names, in shard order:
         this rank's shard of `step`, and the bytes it received and sent."""
         rank = transport.rank
-        received = sent = 0
+        received = 0
+        sending = []
         mine = self._held(rank, step)
         for shard, source in enumerate(sources):
             if source == shard:
@@ -220,11 +223,12 @@ class ShardedState(PeerState):
             if rank == source:
                 held = self._held(shard, step)
                 assert held is not None
-                sent += transport.send(held, [shard])
+                sending.append(transport.send(held, [shard]))
             elif rank == shard:
                 mine = transport.receive(source, [shard])
                 received = mine.nbytes
                 if checksum(mine) != mine.checksum:
                     raise RuntimeError(f"peer state: shard {shard} of step {step} from rank {source} is torn")
+        sent = sum(finish() for finish in sending)
         assert mine is not None and mine.step == step and mine.shard == rank
         return mine, received, sent

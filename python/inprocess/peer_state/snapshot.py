@@ -13,12 +13,12 @@ import ctypes
 import dataclasses
 import json
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from . import rng as rng_states
-from .encoding import decode, encode, parts
+from .encoding import decode, encode, parts, storage_key
 from .objects import Objects
 
 
@@ -39,8 +39,23 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def layout(self) -> Tuple[str, List[Tuple[Tuple[int, ...], torch.dtype]]]:
-        return self.skeleton, [(tuple(t.shape), t.dtype) for t in self.tensors]
+    def layout(self) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+        """Its tensors' shapes and dtypes: a buffer of the same layout takes another snapshot
+        (whatever its plain values: a data loader's position changes at every commit)."""
+        return [(tuple(t.shape), t.dtype) for t in self.tensors]
+
+
+Pair = Tuple[Optional[Snapshot], Optional[Snapshot]]  # two buffers: a snapshot, and another (older, or being written)
+
+
+def kept_and_spare(pair: Pair) -> Pair:
+    """Two buffers as (the newest complete snapshot or None, the other one: the next to write into)."""
+    a, b = pair
+    if b is not None and b.step >= 0 and (a is None or b.step > a.step):
+        return b, a
+    if a is not None and a.step >= 0:
+        return a, b
+    return None, a if a is not None else b
 
 
 def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str, Any]:
@@ -48,34 +63,67 @@ def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str
     return {"objects": objects.read(), "values": dict(values), "rng": rng_states.capture() if rng else None}
 
 
-def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int,
-         spare: Optional[Snapshot]) -> Snapshot:
-    """The objects' state, `values` and the RNG states, copied into `spare` (reused
-    when its layout fits, else a new buffer)."""
+def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spare: Optional[Snapshot],
+         deferred: AbstractSet[Tuple[int, int, torch.dtype]] = frozenset()) -> Tuple[Snapshot, Callable[[], None]]:
+    """The objects' state, `values` and the RNG states, copied into `spare` (reused when its
+    layout fits, else a new buffer): every tensor now but those whose :func:`storage_key` is in
+    `deferred`; the function returned copies those and only then marks the snapshot complete
+    (its step). Call it at once, or on another thread before any of those tensors changes."""
     live: List[torch.Tensor] = []
     skeleton = json.dumps(encode(state_of(objects, values, rng), live), separators=(",", ":"))
-    layout = (skeleton, [(tuple(t.shape), t.dtype) for t in live])
-    if spare is None or spare.layout() != layout:
+    if spare is None or spare.layout() != [(tuple(t.shape), t.dtype) for t in live]:
         pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
         spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in live])
-    spare.step = -1  # being written
-    for held, source in zip(spare.tensors, live, strict=True):
-        held.copy_(source.detach(), non_blocking=source.is_cuda)
+    snapshot = spare
+    snapshot.step = -1  # being written
+    snapshot.skeleton = skeleton
+    later = []
+    for held, source in zip(snapshot.tensors, live, strict=True):
+        if storage_key(source) in deferred:
+            later.append((held, source.detach()))
+        else:
+            held.copy_(source.detach(), non_blocking=source.is_cuda)
     if any(t.is_cuda for t in live):
         torch.cuda.current_stream().synchronize()
-    spare.step = step
-    return spare
+    ready = None
+    if any(source.is_cuda for _, source in later):
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+
+    def finish() -> None:
+        if ready is None:
+            for held, source in later:
+                held.copy_(source)
+        else:  # on a side stream, after what the training stream had queued at the commit
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                for held, source in later:
+                    held.copy_(source, non_blocking=source.is_cuda)
+            side.synchronize()
+        snapshot.step = step
+    return snapshot, finish
 
 
-def load(objects: Objects, snapshot: Snapshot, rng: bool) -> Dict[str, Any]:
-    """`snapshot` into the live objects (and the RNG states); its plain values."""
+def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = False) -> Dict[str, Any]:
+    """`snapshot` into the live objects (and the RNG states); its plain values. `transient`: its
+    tensors are not kept as a buffer (:meth:`Objects.write`)."""
     by_key = parts(json.loads(snapshot.skeleton))
-    objects.write(parts(by_key["objects"]), snapshot.tensors)
+    objects.write(parts(by_key["objects"]), snapshot.tensors, transient)
     states = decode(by_key["rng"], snapshot.tensors, clone=True)
     if rng and states is not None:
         rng_states.restore(states)
     values: Dict[str, Any] = decode(by_key["values"], snapshot.tensors, clone=True)
     return values
+
+
+def destinations(objects: Objects, skeleton: str,
+                 shapes: List[Tuple[Tuple[int, ...], torch.dtype]]) -> Dict[int, torch.Tensor]:
+    """For a snapshot about to be received (its skeleton, its tensors' shapes and dtypes): the
+    objects' own tensors it can be received into, by index, after the objects are checked
+    against it (:meth:`Objects.destinations`)."""
+    held = parts(parts(json.loads(skeleton))["objects"])
+    return objects.destinations(held, [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes])
 
 
 def checksum(snapshot: Snapshot) -> int:

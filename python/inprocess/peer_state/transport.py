@@ -17,9 +17,10 @@ of its own.
 from __future__ import annotations
 
 import abc
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from .snapshot import Snapshot
+from .wire import Destinations
 
 
 class Transport(abc.ABC):
@@ -35,14 +36,17 @@ class Transport(abc.ABC):
         """Every rank's `row` of integers (the same length everywhere), by group rank."""
 
     @abc.abstractmethod
-    def send(self, snapshot: Snapshot, receivers: Sequence[int]) -> int:
-        """Called by the source: `snapshot` to every rank of `receivers` (in the order and
-        shape the transport chooses); the bytes this rank sent."""
+    def send(self, snapshot: Snapshot, receivers: Sequence[int]) -> Callable[[], int]:
+        """Called by the source: starts sending `snapshot` to every rank of `receivers` (in
+        the order and shape the transport chooses); the function returned waits until it
+        has left and says how many bytes this rank sent. `snapshot` must not change meanwhile."""
 
     @abc.abstractmethod
-    def receive(self, source: int, receivers: Sequence[int], spare: Optional[Snapshot] = None) -> Snapshot:
+    def receive(self, source: int, receivers: Sequence[int], spare: Optional[Snapshot] = None,
+                destinations: Optional[Destinations] = None) -> Snapshot:
         """Called by each rank of `receivers` (the same sequence the source sends to): the
-        snapshot `source` sends, written into `spare` where its layout fits."""
+        snapshot `source` sends, written into `spare` where its layout fits, or in place
+        into the tensors `destinations` names (:func:`inprocess.peer_state.wire.read`)."""
 
     @abc.abstractmethod
     def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Optional[Snapshot]) -> Snapshot:

@@ -9,7 +9,7 @@ reuses a spare whose layout fits), then reads the tensors into place.
 from __future__ import annotations
 
 import json
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,18 +35,29 @@ def pieces(snapshot: Snapshot) -> List[torch.Tensor]:
     return [byte_view(length), encoded] + [byte_view(t) for t in snapshot.tensors]
 
 
-def read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot]) -> Snapshot:
-    """What :func:`pieces` sent, each piece filled in by `receive` (into `spare` where
-    its layout fits)."""
+Destinations = Callable[[str, List[Tuple[Tuple[int, ...], torch.dtype]]], Dict[int, torch.Tensor]]
+
+
+def read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot],
+         destinations: Optional[Destinations] = None) -> Snapshot:
+    """What :func:`pieces` sent, each piece filled in by `receive`: into `spare` where its
+    layout fits, else into new buffers, except the tensors that `destinations` (given the
+    skeleton and the tensors' shapes and dtypes, before any tensor is received) maps to a
+    tensor of the same shape and dtype: those are received in place."""
     length = torch.zeros(1, dtype=torch.int64)
     receive(byte_view(length))
     encoded = torch.empty(int(length.item()), dtype=torch.uint8)
     receive(encoded)
     fields = json.loads(bytes(encoded.tolist()).decode())
     shapes = [(tuple(shape), getattr(torch, dtype)) for shape, dtype in fields["tensors"]]
-    if spare is None or spare.layout() != (fields["skeleton"], shapes):
+    if destinations is not None:
+        into = destinations(fields["skeleton"], shapes)
+        spare = Snapshot(-1, fields["skeleton"], [into[i] if i in into else torch.empty(shape, dtype=dtype)
+                                                  for i, (shape, dtype) in enumerate(shapes)])
+    elif spare is None or spare.layout() != shapes:
         spare = Snapshot(-1, fields["skeleton"], [torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
     spare.step = -1  # being written
+    spare.skeleton = fields["skeleton"]
     for t in spare.tensors:
         receive(byte_view(t))
     spare.shard, spare.world, spare.checksum = int(fields["shard"]), int(fields["world"]), int(fields["checksum"])
