@@ -11,7 +11,7 @@ INPROCESS_TEST_PLAN  JSON: {"steps": 30, "every": 1, "max_active": 4,
                      ranks are active, wait at safe points for joiners instead of stepping,
                      "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}: that rank's
                      process SIGKILLs itself after that many point-to-point sends of a restore,
-                     "chunk_bytes": the transfer's chunk size}
+                     "chunk_bytes": the transfer's chunk size, "background": ReplicatedState's}
 
 Data are a function of (step, active rank) only, so that a job that loses a rank
 to a spare computes what the same job without faults computes, if and only if every
@@ -44,7 +44,8 @@ torch.manual_seed(0)  # every replica starts from the same weights, as DDP expec
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.get("every", 1),
-                                  chunk_bytes=PLAN.get("chunk_bytes", 64 << 20))
+                                  chunk_bytes=PLAN.get("chunk_bytes", 64 << 20),
+                                  background=PLAN.get("background", False))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 
@@ -67,19 +68,21 @@ def digest():
 
 
 def die_while_sending(spec, iteration):
-    """The source of a restore dies in the middle of its transfer: dist.send (which only the
-    transfer calls in this job) kills this process after `after` sends."""
+    """The source of a restore dies in the middle of its transfer: dist.send and dist.isend
+    (which only the transfer calls in this job) kill this process after `after` sends."""
     if spec is None or spec["iteration"] != iteration or spec["rank"] != INITIAL_RANK:
         return
-    real_send, sent = dist.send, []
+    sent = []
 
-    def send(*args, **kwargs):
-        if len(sent) == spec["after"]:
-            os.kill(os.getpid(), 9)
-        sent.append(1)
-        return real_send(*args, **kwargs)
+    def dying(real):
+        def send(*args, **kwargs):
+            if len(sent) == spec["after"]:
+                os.kill(os.getpid(), 9)
+            sent.append(1)
+            return real(*args, **kwargs)
+        return send
 
-    dist.send = send
+    dist.send, dist.isend = dying(dist.send), dying(dist.isend)
 
 
 def write():

@@ -43,7 +43,8 @@ START = torch.randn(SHARDS * SLICE)  # the full parameter vector at step 0
 shard = torch.nn.Module()
 shard.weight = torch.nn.Parameter(torch.zeros(SLICE))
 optimizer = torch.optim.SGD(shard.parameters(), lr=0.05, momentum=0.9)
-state = inprocess.ShardedState(shard=shard, optimizer=optimizer, distance=PLAN.get("distance", 1))
+state = inprocess.ShardedState(shard=shard, optimizer=optimizer, distance=PLAN.get("distance", 1),
+                               background=PLAN.get("background", False))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 
@@ -90,7 +91,8 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     step = state.restore()
     done = state.last_restore
     log["iterations"].append({"iteration": call_wrapper.iteration, "rank": rank, "resumed": step,
-                              "receivers": list(done.receivers), "nbytes": done.nbytes})
+                              "receivers": list(done.receivers), "nbytes": done.nbytes, "sent": done.sent,
+                              "shard_nbytes": state.nbytes})
     write()
     if step is None:  # the job's start, or a shard lost with its copy: the state at step 0 (a checkpoint's place)
         step = 0

@@ -1,0 +1,137 @@
+"""A committed state in host memory: taking it from the registered objects, loading it back.
+
+A :class:`Snapshot` is the JSON skeleton of ``{"objects": {name: state_dict}, "values":
+{...}, "rng": {...}}`` (:mod:`inprocess.peer_state.encoding`) and its tensors, copied
+into buffers of its own. :func:`take` writes into a spare buffer (reused when its layout
+fits) and marks it complete only after its last copy, so that a snapshot interrupted
+midway never passes for a complete one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import zlib
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from . import rng as rng_states
+from .encoding import decode, encode, parts, storage_key
+from .objects import Objects
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One committed state in host memory: its JSON skeleton (tensors replaced
+    by their index) and its tensors."""
+
+    step: int
+    skeleton: str
+    tensors: List[torch.Tensor]
+    shard: int = -1  # ShardedState: the rank whose shard it is (its rank when it committed)
+    world: int = 0  # ShardedState: how many shards the state had then
+    checksum: int = 0  # ShardedState: of the tensors' bytes, as the committing rank computed it
+    group: int = 0  # the lowest global rank of the group it was committed in (0: the default group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def layout(self) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+        """Its tensors' shapes and dtypes: a buffer of the same layout takes another snapshot
+        (whatever its plain values: a data loader's position changes at every commit)."""
+        return [(tuple(t.shape), t.dtype) for t in self.tensors]
+
+
+Pair = Tuple[Optional[Snapshot], Optional[Snapshot]]  # two buffers: a snapshot, and another (older, or being written)
+
+
+def kept_and_spare(pair: Pair) -> Pair:
+    """Two buffers as (the newest complete snapshot or None, the other one: the next to write into)."""
+    a, b = pair
+    if b is not None and b.step >= 0 and (a is None or b.step > a.step):
+        return b, a
+    if a is not None and a.step >= 0:
+        return a, b
+    return None, a if a is not None else b
+
+
+def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str, Any]:
+    """What a snapshot holds, live: the objects' state dicts, the plain values, the RNG states."""
+    return {"objects": objects.read(), "values": dict(values), "rng": rng_states.capture() if rng else None}
+
+
+def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spare: Optional[Snapshot],
+         deferred: AbstractSet[Tuple[int, int, torch.dtype]] = frozenset()) -> Tuple[Snapshot, Callable[[], None]]:
+    """The objects' state, `values` and the RNG states, copied into `spare` (reused when its
+    layout fits, else a new buffer): every tensor now but those whose :func:`storage_key` is in
+    `deferred`; the function returned copies those and only then marks the snapshot complete
+    (its step). Call it at once, or on another thread before any of those tensors changes."""
+    live: List[torch.Tensor] = []
+    skeleton = json.dumps(encode(state_of(objects, values, rng), live), separators=(",", ":"))
+    if spare is None or spare.layout() != [(tuple(t.shape), t.dtype) for t in live]:
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
+        spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in live])
+    snapshot = spare
+    snapshot.step = -1  # being written
+    snapshot.skeleton = skeleton
+    later = []
+    for held, source in zip(snapshot.tensors, live, strict=True):
+        if storage_key(source) in deferred:
+            later.append((held, source.detach()))
+        else:
+            held.copy_(source.detach(), non_blocking=source.is_cuda)
+    if any(t.is_cuda for t in live):
+        torch.cuda.current_stream().synchronize()
+    ready = None
+    if any(source.is_cuda for _, source in later):
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+
+    def finish() -> None:
+        if ready is None:
+            for held, source in later:
+                held.copy_(source)
+        else:  # on a side stream, after what the training stream had queued at the commit
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                for held, source in later:
+                    held.copy_(source, non_blocking=source.is_cuda)
+            side.synchronize()
+        snapshot.step = step
+    return snapshot, finish
+
+
+def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = False) -> Dict[str, Any]:
+    """`snapshot` into the live objects (and the RNG states); its plain values. `transient`: its
+    tensors are not kept as a buffer (:meth:`Objects.write`)."""
+    by_key = parts(json.loads(snapshot.skeleton))
+    objects.write(parts(by_key["objects"]), snapshot.tensors, transient)
+    states = decode(by_key["rng"], snapshot.tensors, clone=True)
+    if rng and states is not None:
+        rng_states.restore(states)
+    values: Dict[str, Any] = decode(by_key["values"], snapshot.tensors, clone=True)
+    return values
+
+
+def destinations(objects: Objects, skeleton: str,
+                 shapes: List[Tuple[Tuple[int, ...], torch.dtype]]) -> Dict[int, torch.Tensor]:
+    """For a snapshot about to be received (its skeleton, its tensors' shapes and dtypes): the
+    objects' own tensors it can be received into, by index, after the objects are checked
+    against it (:meth:`Objects.destinations`)."""
+    held = parts(parts(json.loads(skeleton))["objects"])
+    return objects.destinations(held, [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes])
+
+
+def checksum(snapshot: Snapshot) -> int:
+    """CRC-32 of the skeleton and of every tensor's bytes in order (zlib releases the GIL
+    for large buffers)."""
+    crc = zlib.crc32(snapshot.skeleton.encode())
+    for t in snapshot.tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            crc = zlib.crc32((ctypes.c_char * n).from_address(t.data_ptr()), crc)
+    return crc
