@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 
-
 HERE = pathlib.Path(__file__).resolve().parent
 
 

@@ -23,6 +23,7 @@ import ctypes
 import datetime
 import hashlib
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -47,6 +48,12 @@ def health_check(frozen: Any) -> None:
     """What CudaHealthCheck would find on a GPU after a sticky error: the context is gone."""
     if context_lost:
         raise inprocess.gpu.CudaContextLost("CUDA context lost after an illegal memory access (simulated)")
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's output and do not cut into each other's lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def digest() -> str:
@@ -76,8 +83,8 @@ def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
     step = 0 if resumed is None else resumed  # None: nothing committed yet (a checkpoint would be read here)
     done = state.last_restore
     got = f", its state from rank {done.source}" if done is not None and done.nbytes else ""
-    print(f"[lost_context] initial rank {me.initial_rank}: iteration {call_wrapper.iteration}, rank "
-          f"{me.active_rank} of {me.active_world_size} at step {step}{got}", flush=True)
+    say(f"[lost_context] initial rank {me.initial_rank}: iteration {call_wrapper.iteration}, rank "
+        f"{me.active_rank} of {me.active_world_size} at step {step}{got}")
     while me.active_world_size < WORLD:  # a rank short: no step (the data would split otherwise) until a grow
         call_wrapper.ping()
         call_wrapper.safe_point()
@@ -100,7 +107,7 @@ def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
         step += 1
         state.commit(step)
     if me.active_rank == 0:
-        print(f"[lost_context] done: step {step}, digest {digest()}", flush=True)
+        say(f"[lost_context] done: step {step}, digest {digest()}")
     dist.destroy_process_group()
 
 

@@ -30,9 +30,10 @@ def _job(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: in
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("sync, background", [("ddp", False), pytest.param("manual", False, marks=pytest.mark.slow),
-                                              pytest.param("ddp", True, marks=pytest.mark.slow)])
-def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync: str, background: bool,
+@pytest.mark.parametrize("sync, snapshots", [
+    ("ddp", "copy"), pytest.param("manual", "copy", marks=pytest.mark.slow), ("ddp", "live"),
+    pytest.param("ddp", "background", marks=pytest.mark.slow)])
+def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync: str, snapshots: str,
                                                                             tmp_path: pathlib.Path) -> None:
     """4 active ranks and 2 spares; two ranks SIGKILLed (a spare takes over each time, its state
     sent by a peer) and two exceptions (every rank rolls back to the newest commit), at steps drawn
@@ -44,8 +45,8 @@ def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync
     at other steps differs in the last bits, faults or not (a job without faults that re-creates
     DDP at those steps equals the restarted one bitwise; one that does not, by rounding only).
     A loop that all-reduces each gradient itself (as Megatron-style training does with its own
-    data-parallel buffers) equals the plain job without faults. `background`: the snapshots'
-    copies beside the training thread."""
+    data-parallel buffers) equals the plain job without faults. `snapshots`: ReplicatedState's
+    (the worker puts optimizer.step() and commit() in call_wrapper.atomic())."""
     seed = random.randrange(1 << 30)
     draw = random.Random(seed)
     steps = 24
@@ -57,7 +58,7 @@ def test_takeovers_and_restarts_end_bitwise_equal_to_the_job_without_faults(sync
     reference_plan = {"steps": steps, "max_active": 4, "sync": sync, "ddp_created_at": at}
     clean = _job(tmp_path, "clean", reference_plan, world_size=4)
     faulty = _job(tmp_path, "faulty", {"steps": steps, "max_active": 4, "sync": sync, "faults": faults,
-                                       "background": background}, world_size=6)
+                                       "snapshots": snapshots}, world_size=6)
     digests = {clean.rank(r)["result"]["digest"] for r in range(4)}
     assert len(digests) == 1, clean.describe()
     expected = digests.pop()
@@ -166,8 +167,8 @@ def _sharded(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("background", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_lost_shard_comes_from_its_partners_copy_bitwise(background: bool, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("snapshots", ["copy", pytest.param("background", marks=pytest.mark.slow)])
+def test_a_lost_shard_comes_from_its_partners_copy_bitwise(snapshots: str, tmp_path: pathlib.Path) -> None:
     """A toy sharded job (each of 4 ranks owns a slice of the parameters and its momentum),
     2 spares: two SIGKILLs and an exception at random steps. Each spare that takes over gets
     the lost rank's shard from the copy its partner holds; the job ends bitwise equal to the
@@ -181,7 +182,7 @@ def test_a_lost_shard_comes_from_its_partners_copy_bitwise(background: bool, tmp
               {"iteration": 2, "rank": 2, "step": at[2], "kind": "sigkill"}]
     clean = _sharded(tmp_path, "clean", {"steps": steps}, world_size=4)
     expected = clean.rank(0)["result"]["digest"]
-    faulty = _sharded(tmp_path, "faulty", {"steps": steps, "faults": faults, "background": background}, world_size=6)
+    faulty = _sharded(tmp_path, "faulty", {"steps": steps, "faults": faults, "snapshots": snapshots}, world_size=6)
     why = f"seed {seed}, faults {faults}\n{faulty.describe()}"
     for r in (0, 3, 4, 5):
         assert faulty.returncodes[r] == 0 and faulty.rank(r).get("result") == {"step": steps, "digest": expected}, why
@@ -317,14 +318,14 @@ def test_every_n_steps_and_plain_values() -> None:
 
 
 def test_a_background_copy_holds_the_state_of_its_commit_not_of_the_next_step() -> None:
-    """background=True: the commit copies the optimizer's parameters and state on a thread of its own;
+    """snapshots="background": the commit copies the optimizer's parameters and state on a thread of its own;
     the next optimizer.step() starts only once that copy ended (its step pre-hook), so that the
     snapshot is the state of the commit, bitwise, though the step comes right after it. 64 MB of
     parameters: the copy takes long enough that a step not held back would change what it copies."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 4096)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    state = ReplicatedState(model=model, optimizer=optimizer, rng=False, background=True)
+    state = ReplicatedState(model=model, optimizer=optimizer, rng=False, snapshots="background")
     model.weight.grad = torch.ones_like(model.weight)
     model.bias.grad = torch.ones_like(model.bias)
     kept = [t.clone() for t in model.state_dict().values()]
@@ -342,7 +343,7 @@ def test_a_background_copy_that_fails_leaves_the_previous_snapshot(monkeypatch: 
     previous snapshot stays the one held, and the next commit writes into the failed one's buffer."""
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = ReplicatedState(model=model, optimizer=optimizer, rng=False, background=True)
+    state = ReplicatedState(model=model, optimizer=optimizer, rng=False, snapshots="background")
     assert state.commit(3, position=30)
     state.wait_copy()
     real_copy = torch.Tensor.copy_
@@ -361,3 +362,30 @@ def test_a_background_copy_that_fails_leaves_the_previous_snapshot(monkeypatch: 
     assert failed is not None and failed.step == -1
     assert state.commit(5) and (state.wait_copy() or True) and state.step == 5
     assert any(b is failed for b in state._buffers)  # the failed buffer was reused, the 3 one kept until then
+
+
+def test_a_live_snapshot_refers_to_the_optimizers_tensors_until_the_next_step() -> None:
+    """snapshots="live": no copy of the parameters and the Adam state; the snapshot is the state of
+    its step until optimizer.step() begins, then withdrawn (this rank would receive from a peer);
+    the next commit holds the new step. Buffers and plain values are copied as ever."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = ReplicatedState(model=model, optimizer=optimizer, snapshots="live")
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    assert state.commit(1, position=10) and state.step == 1
+    snapshot = state._buffers[0]
+    assert snapshot is not None
+    referred = {t.data_ptr() for t in snapshot.tensors}
+    assert all(p.data_ptr() in referred for p in model.parameters())  # the parameters themselves
+    assert all(v.data_ptr() in referred for entry in optimizer.state.values() for v in entry.values())
+    assert model[1].running_mean.data_ptr() not in referred  # a buffer: copied (a forward changes it)
+    model(torch.randn(8, 4)).sum().backward()
+    assert state.step == 1  # forward and backward leave it
+    optimizer.step()
+    assert state.step is None  # the step withdrew it
+    assert state.commit(2, position=20) and state.step == 2 and state.values == {"position": 20}
+    with pytest.raises(ValueError, match=r"ShardedState\(snapshots='live'\): expected 'copy' or 'background'"):
+        inprocess.ShardedState(snapshots="live")
+    with pytest.raises(ValueError, match=r"snapshots='lazy'\): expected one of 'copy', 'background', 'live'"):
+        ReplicatedState(model=model, snapshots="lazy")

@@ -31,8 +31,9 @@ def _the_story(out: str) -> str:
     assert re.search(r"CUDA context lost \(.*\(simulated\)\): this rank leaves the job \(exit code 76\)", out), out
     assert "respawning rank 1 (attempt 1 of 1) in 1s: exited with status 76 (the CUDA context is lost)" in out, out
     assert re.search(r"grow after iteration 1: .*joined \(new processes\): \[1\]", out), out[-6000:]
-    # the three others resume at step 15 from their own memory; the new process gets step 15 from a peer
-    assert len(re.findall(r"iteration 1, rank \d of 3 at step 15\n", out)) == 3, out[-6000:]
+    # the three others resume at step 15 (from their own memory, or a peer's where a restart caught one
+    # before its commit of step 15); the new process gets step 15 from a peer
+    assert len(re.findall(r"iteration 1, rank \d of 3 at step 15\b", out)) == 3, out[-6000:]
     assert re.search(r"initial rank 1: iteration 2, rank 1 of 4 at step 15, its state from rank \d\n", out), out
     assert "job finished: 4 of 4 seats finished; 2 restarts; 1 respawn; rank 1 exited with status 76 (respawned)" \
         in out, out[-6000:]

@@ -11,7 +11,7 @@ INPROCESS_TEST_PLAN  JSON: {"steps": 30, "every": 1, "max_active": 4,
                      ranks are active, wait at safe points for joiners instead of stepping,
                      "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}: that rank's
                      process SIGKILLs itself after that many point-to-point sends of a restore,
-                     "chunk_bytes": the transfer's chunk size, "background": ReplicatedState's}
+                     "chunk_bytes": the transfer's chunk size, "snapshots": ReplicatedState's}
 
 Data are a function of (step, active rank) only, so that a job that loses a rank
 to a spare computes what the same job without faults computes, if and only if every
@@ -45,7 +45,7 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.L
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.get("every", 1),
                                   chunk_bytes=PLAN.get("chunk_bytes", 64 << 20),
-                                  background=PLAN.get("background", False))
+                                  snapshots=PLAN.get("snapshots", "copy"))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 
@@ -141,9 +141,10 @@ def train(call_wrapper: inprocess.CallWrapper = None):
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= s.active_world_size
-        optimizer.step()
-        step += 1
-        state.commit(step)
+        with call_wrapper.atomic():  # a restart lands before the step or after its commit
+            optimizer.step()
+            step += 1
+            state.commit(step)
     dist.destroy_process_group()
     return {"step": step, "digest": digest()}
 

@@ -44,7 +44,7 @@ shard = torch.nn.Module()
 shard.weight = torch.nn.Parameter(torch.zeros(SLICE))
 optimizer = torch.optim.SGD(shard.parameters(), lr=0.05, momentum=0.9)
 state = inprocess.ShardedState(shard=shard, optimizer=optimizer, distance=PLAN.get("distance", 1),
-                               background=PLAN.get("background", False))
+                               snapshots=PLAN.get("snapshots", "copy"))
 log = {"initial_rank": INITIAL_RANK, "iterations": []}
 
 

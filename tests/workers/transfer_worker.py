@@ -42,4 +42,5 @@ done = state.last_restore
 print(json.dumps({"step": step, "digest": h.hexdigest(), "source": done.source, "receivers": list(done.receivers),
                   "nbytes": done.nbytes, "sent": done.sent, "in_place": storage == [p.data_ptr() for p in
                                                                                   model.parameters()]}))
+dist.barrier()  # every rank done before any leaves (rank 0 serves the store)
 dist.destroy_process_group()

@@ -1,11 +1,18 @@
 """What both peer states share: their settings, their objects, the values kept with a commit, and
-the snapshot's copy, on the training thread or (``background=True``) beside it.
+how a commit takes its snapshot (``snapshots=``).
 
-In the background, a commit copies on the training thread only what the next step's forward
-and backward may change (module buffers, other objects, the RNG states: small), and leaves the
-parameters of the registered optimizers and their state, which only ``optimizer.step()``
-changes, to a thread of its own; each registered optimizer waits for that copy at the start of
-its next ``step()`` (a step pre-hook). The snapshot counts as complete only once the copy ends.
+- ``"copy"`` (the default): every tensor is copied on the training thread, in the commit.
+- ``"background"``: the commit copies on the training thread only what the next step's forward
+  and backward may change (module buffers, other objects, the RNG states: small); the parameters
+  of the registered optimizers and their state, which only ``optimizer.step()`` changes, are
+  copied on a thread of its own, and each registered optimizer waits for that copy at the start
+  of its next ``step()`` (a step pre-hook). The snapshot is complete once the copy ends.
+- ``"live"`` (ReplicatedState): those tensors are not copied at all: the snapshot refers to them
+  until the next ``optimizer.step()`` begins (the pre-hook then withdraws it). A restart before
+  that step finds the state of the commit in place; one after it finds none on this rank, which
+  receives the state from a peer. Parameters and the optimizers' state must change only in the
+  registered optimizers' ``step()``; ``optimizer.step()`` and ``commit()`` in one
+  ``call_wrapper.atomic()`` block keep a restart out of the window between them.
 """
 
 from __future__ import annotations
@@ -21,23 +28,26 @@ from .snapshot import Snapshot, take
 
 log = logging.getLogger("inprocess")
 
+SNAPSHOTS = ("copy", "background", "live")
+
 
 class PeerState:
     """The settings and objects of a :class:`ReplicatedState` or :class:`ShardedState`."""
 
-    def __init__(self, kind: str, every: int, rng: bool, chunk_bytes: int, background: bool,
+    def __init__(self, kind: str, every: int, rng: bool, chunk_bytes: int, snapshots: str,
                  objects: Mapping[str, Any], required: bool = True) -> None:
         check_arguments(kind, every, chunk_bytes)
-        if not isinstance(background, bool):
-            raise TypeError(f"{kind}(background={background!r}): expected True or False")
-        self.background = background
-        self._copying: Optional[threading.Thread] = None
-        self._copy_error: Optional[BaseException] = None
-        self._hooks: List[Any] = []
+        if snapshots not in SNAPSHOTS:
+            raise ValueError(f"{kind}(snapshots={snapshots!r}): expected one of {', '.join(map(repr, SNAPSHOTS))}")
         self.kind = kind
         self.every = every
         self.rng = rng
         self.chunk_bytes = chunk_bytes
+        self.snapshots = snapshots
+        self._copying: Optional[threading.Thread] = None
+        self._copy_error: Optional[BaseException] = None
+        self._live: Optional[Snapshot] = None  # "live": the snapshot that refers to the optimizers' tensors
+        self._hooks: List[Any] = []
         if required and not objects:
             raise ValueError(f"{kind}(): name at least one object, e.g. {kind}(model=model)")
         self._objects = Objects(kind, objects)
@@ -65,17 +75,26 @@ class PeerState:
     def _hook_optimizers(self) -> None:
         for handle in self._hooks:
             handle.remove()
-        self._hooks = [optimizer.register_step_pre_hook(lambda *_: self.wait_copy())
-                       for optimizer in (self._objects.optimizers() if self.background else [])]
+        self._hooks = [optimizer.register_step_pre_hook(lambda *_: self._before_step())
+                       for optimizer in (self._objects.optimizers() if self.snapshots != "copy" else [])]
+
+    def _before_step(self) -> None:
+        """A registered optimizer is about to change its parameters and state."""
+        self.wait_copy()
+        live, self._live = self._live, None
+        if live is not None:
+            live.step = -1  # it referred to what this step changes: no longer the state of its step
 
     def _take(self, values: Mapping[str, Any], step: int, spare: Optional[Snapshot]) -> Snapshot:
-        """A snapshot of the objects at `step` into `spare`. In the background, the optimizers'
-        tensors are copied on a thread of its own (the snapshot's step stays -1 until they are)."""
+        """A snapshot of the objects at `step` into `spare`, as ``snapshots`` says (module docstring):
+        in the background, its step stays -1 until the copy on the other thread ends."""
         self.wait_copy()
-        deferred = self._objects.optimized() if self.background else set()
-        snapshot, finish = take(self._objects, values, self.rng, step, spare, deferred)
-        if not deferred:
+        deferred = self._objects.optimized() if self.snapshots != "copy" else set()
+        snapshot, finish = take(self._objects, values, self.rng, step, spare, deferred,
+                                refer=self.snapshots == "live")
+        if self.snapshots != "background":
             finish()
+            self._live = snapshot if self.snapshots == "live" else None
             return snapshot
 
         def run() -> None:

@@ -131,9 +131,11 @@ def write(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimize
     `states`: :func:`live`'s. `transient`: as in :meth:`Objects.write`."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    if not (transient and in_place(held[module_name], tensors, states[module_name])):
+    if not in_place(held[module_name], tensors, states[module_name]):
         dcp.set_model_state_dict(module, rewrap(decode(held[module_name], tensors, clone=False), states[module_name]))
     for name, optimizer in optimizers.items():
+        if name in states and in_place(held[name], tensors, states[name]):
+            continue
         if name in states:  # the optimizer keeps what it is given: copies, unless transient
             state = rewrap(decode(held[name], tensors, clone=not transient), states[name])
             dcp.set_optimizer_state_dict(module, optimizer, state)

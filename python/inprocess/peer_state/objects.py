@@ -110,20 +110,18 @@ class Objects:
 
     def write(self, held: Mapping[str, Any], tensors: List[torch.Tensor], transient: bool = False) -> None:
         """The snapshot's nodes (`held`, by name, still encoded) into the objects, checked first
-        (:meth:`live`). `transient`: the snapshot's tensors are not kept (received for this load):
-        an object may keep them, and a module whose every tensor was received in place is not
-        loaded again."""
+        (:meth:`live`). An object whose every tensor is its own already (received in place, or a
+        "live" snapshot) and whose plain values are the same is not loaded again. `transient`:
+        the snapshot's tensors are not kept (received for this load): an object may keep them."""
         live = self.live(held, tensors)
         module, optimizers = distributed.split(self._objects)
         if module is not None:
             distributed.write(self._objects[module], {name: self._objects[name] for name in optimizers}, held,
                               tensors, live, module, transient)
         for name, obj in self._objects.items():
-            if name == module or name in optimizers:
-                continue
-            if isinstance(obj, torch.nn.Module):
-                if not (transient and in_place(held[name], tensors, live[name])):
-                    obj.load_state_dict(decode(held[name], tensors, clone=False))  # a module copies what it loads
-            else:  # may keep the tensors it is given: copies of the snapshot's buffers, unless transient
-                obj.load_state_dict(decode(held[name], tensors, clone=not transient))
-
+            if name == module or name in optimizers or in_place(held[name], tensors, live[name]):
+                continue  # (in place: received into it, or a "live" snapshot of it)
+            # a module copies what it loads; anything else may keep the tensors it is given:
+            # copies of the snapshot's buffers, unless they are not kept (transient)
+            keeps = not isinstance(obj, torch.nn.Module)
+            obj.load_state_dict(decode(held[name], tensors, clone=keeps and not transient))

@@ -31,8 +31,8 @@ class ReplicatedState(PeerState):
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 background: bool = False, **objects: Any) -> None:
-        super().__init__("ReplicatedState", every, rng, chunk_bytes, background, objects)
+                 snapshots: str = "copy", **objects: Any) -> None:
+        super().__init__("ReplicatedState", every, rng, chunk_bytes, snapshots, objects)
         # Two buffers, one attribute, replaced in one store, so that an exception that interrupts a
         # snapshot can never leave both on the same, half-written buffer; a commit writes into the
         # one that is not the newest complete snapshot (kept_and_spare).
@@ -59,6 +59,9 @@ class ReplicatedState(PeerState):
             return False
         self.wait_copy()
         kept, spare = kept_and_spare(self._buffers)
+        if self.snapshots == "live":  # one snapshot: it refers to the live tensors (its buffers are reused)
+            spare = kept if kept is not None else spare
+            kept = None
         snapshot = self._take(values, step, spare)
         snapshot.group = self._key
         self._buffers = (snapshot, kept)
@@ -111,7 +114,7 @@ class ReplicatedState(PeerState):
             received = transport.receive(source, share, destinations=lambda skeleton, shapes: destinations(
                 self._objects, skeleton, shapes))
             self._values = load(self._objects, received, self.rng, transient=True)
-            self._buffers = (None, None)
+            self._buffers, self._live = (None, None), None
             return received, source, received.nbytes, 0
         assert mine is not None and mine.step == step
         finish = transport.send(mine, route[1]) if route is not None else (lambda: 0)

@@ -43,8 +43,11 @@ class ShardedState(PeerState):
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 distance: Optional[int] = None, background: bool = False, **objects: Any) -> None:
-        super().__init__("ShardedState", every, rng, chunk_bytes, background, objects, required=False)
+                 distance: Optional[int] = None, snapshots: str = "copy", **objects: Any) -> None:
+        if snapshots == "live":  # its copy travels to the keeper while the next step runs: it must be a copy
+            raise ValueError("ShardedState(snapshots='live'): expected 'copy' or 'background' (a shard's copy is "
+                             "sent to its keeper while the next step runs)")
+        super().__init__("ShardedState", every, rng, chunk_bytes, snapshots, objects, required=False)
         if distance is not None and (not is_int(distance) or distance < 1):
             raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
         self.distance = distance

@@ -64,11 +64,14 @@ def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str
 
 
 def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spare: Optional[Snapshot],
-         deferred: AbstractSet[Tuple[int, int, torch.dtype]] = frozenset()) -> Tuple[Snapshot, Callable[[], None]]:
+         deferred: AbstractSet[Tuple[int, int, torch.dtype]] = frozenset(),
+         refer: bool = False) -> Tuple[Snapshot, Callable[[], None]]:
     """The objects' state, `values` and the RNG states, copied into `spare` (reused when its
     layout fits, else a new buffer): every tensor now but those whose :func:`storage_key` is in
     `deferred`; the function returned copies those and only then marks the snapshot complete
-    (its step). Call it at once, or on another thread before any of those tensors changes."""
+    (its step). Call it at once, or on another thread before any of those tensors changes.
+    `refer`: those are not copied; the snapshot refers to them (it is the state of its step
+    only until they change)."""
     live: List[torch.Tensor] = []
     skeleton = json.dumps(encode(state_of(objects, values, rng), live), separators=(",", ":"))
     if spare is None or spare.layout() != [(tuple(t.shape), t.dtype) for t in live]:
@@ -78,11 +81,13 @@ def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spar
     snapshot.step = -1  # being written
     snapshot.skeleton = skeleton
     later = []
-    for held, source in zip(snapshot.tensors, live, strict=True):
-        if storage_key(source) in deferred:
-            later.append((held, source.detach()))
-        else:
+    for i, (held, source) in enumerate(zip(snapshot.tensors, live, strict=True)):
+        if storage_key(source) not in deferred:
             held.copy_(source.detach(), non_blocking=source.is_cuda)
+        elif refer:
+            snapshot.tensors[i] = source.detach()
+        else:
+            later.append((held, source.detach()))
     if any(t.is_cuda for t in live):
         torch.cuda.current_stream().synchronize()
     ready = None
