@@ -129,7 +129,7 @@ def role_transfer(rank: int, world: int, port: int, size_mb: float, repeats: int
             out["peak_above_model_mb"] = _high_water_mb() - base
         assert step == 7, step
         if rank == 0:
-            held = state._buffers[0]  # the snapshot the restore sent, as the link's source
+            held = state._own[0]  # the snapshot the restore sent, as the link's source
             assert held is not None
             source = held.tensors[0].view(torch.uint8)
         out["link_s"].append(_link(dist, rank, source if rank == 0 else flat, state.chunk_bytes))

@@ -301,7 +301,7 @@ def test_a_snapshot_interrupted_midway_leaves_the_previous_one(monkeypatch: pyte
         state.commit(4, position=40)
     monkeypatch.undo()
     assert state.step == 3 and state.values == {"position": 30}
-    complete = state._buffers[0]
+    complete = state._own[0]
     assert complete is not None
     assert all(torch.equal(a, b) for a, b in zip(complete.tensors, kept, strict=True))
     # The next snapshot, uninterrupted, takes the spoiled buffer's place.
@@ -332,7 +332,7 @@ def test_a_background_copy_holds_the_state_of_its_commit_not_of_the_next_step() 
     assert state.commit(1)
     optimizer.step()  # waits for the copy, then subtracts 1 from every parameter
     state.wait_copy()
-    snapshot = state._buffers[0]
+    snapshot = state._own[0]
     assert snapshot is not None and snapshot.step == 1 and state.step == 1
     assert all(torch.equal(a, b) for a, b in zip(snapshot.tensors, kept, strict=True))
     assert not torch.equal(model.weight.detach(), kept[0])  # the step did happen, after the copy
@@ -358,10 +358,10 @@ def test_a_background_copy_that_fails_leaves_the_previous_snapshot(monkeypatch: 
     state.wait_copy()
     monkeypatch.undo()
     assert state.step == 3 and state.nbytes > 0
-    failed = state._buffers[0]
+    failed = state._own[0]
     assert failed is not None and failed.step == -1
     assert state.commit(5) and (state.wait_copy() or True) and state.step == 5
-    assert any(b is failed for b in state._buffers)  # the failed buffer was reused, the 3 one kept until then
+    assert any(b is failed for b in state._own)  # the failed buffer was reused, the 3 one kept until then
 
 
 def test_a_live_snapshot_refers_to_the_optimizers_tensors_until_the_next_step() -> None:
@@ -374,7 +374,7 @@ def test_a_live_snapshot_refers_to_the_optimizers_tensors_until_the_next_step() 
     model(torch.randn(8, 4)).sum().backward()
     optimizer.step()
     assert state.commit(1, position=10) and state.step == 1
-    snapshot = state._buffers[0]
+    snapshot = state._own[0]
     assert snapshot is not None
     referred = {t.data_ptr() for t in snapshot.tensors}
     assert all(p.data_ptr() in referred for p in model.parameters())  # the parameters themselves

@@ -50,23 +50,6 @@ _LAZY_ATTRIBUTES = {
     "Wrapper": "wrap",
     "current_call": "calls",
 }
-_LAZY_MODULES = (
-    "abort",
-    "completion",
-    "finalize",
-    "health_check",
-    "initialize",
-    "nested_restarter",
-    "peer_state",
-    "rank_assignment",
-    "store",
-    "terminate",
-    "exception",
-    "state",
-    "compose",
-    "tools",
-    "wrap",
-)
 
 if TYPE_CHECKING:
     from . import abort, completion, finalize, health_check, initialize, rank_assignment, store, terminate
@@ -79,7 +62,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRIBUTES:
         module = importlib.import_module(f".{_LAZY_ATTRIBUTES[name]}", __name__)
         return getattr(module, name)
-    if name in _LAZY_MODULES:
+    if name in __all__:  # a module of the package, loaded on first use
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'inprocess' has no attribute {name!r}")
 

@@ -449,11 +449,9 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace, events_dir: st
     try:
         with job:
             try:
-                seats = supervisor.wait(ns.timeout)
-            except TimeoutError:
-                print(f"inprocess.launch: the job did not finish within {ns.timeout:g}s; every rank was killed",
-                      file=sys.stderr)
-                return 124
+                seats = supervisor.finish(ns.timeout, "inprocess.launch")
+                if seats is None:
+                    return 124
             except KeyboardInterrupt:
                 print("inprocess.launch: interrupted; every rank was killed", file=sys.stderr)
                 return 130

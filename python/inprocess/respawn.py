@@ -131,6 +131,15 @@ class Supervisor:
         self.seats: list[RankSeat] = []  # from the job's ranks, once it started
         self.stop_signal: Optional[int] = None  # set by a signal handler: the loop raises KeyboardInterrupt
 
+    def finish(self, timeout: Optional[float], who: str) -> Optional[list[RankSeat]]:
+        """:meth:`wait`, or None past ``timeout``, said on stderr as `who`: the caller then leaves the
+        job's ``with``, which kills every rank, and exits 124 (as timeout(1) does)."""
+        try:
+            return self.wait(timeout)
+        except TimeoutError:
+            print(f"{who}: the job did not finish within {timeout:g}s; every rank was killed", file=sys.stderr)
+            return None
+
     def wait(self, timeout: Optional[float]) -> list[RankSeat]:
         """Until every seat's last process exited and no respawn is pending. Raises TimeoutError past
         ``timeout`` and KeyboardInterrupt once :attr:`stop_signal` is set; the caller kills the job."""

@@ -43,11 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    env={**elastic_env(), EVENTS_VAR: ns.events})
     supervisor = Supervisor(job, ConstantRespawn(1_000_000, ns.respawn_delay))
     with job:
-        try:
-            seats = supervisor.wait(ns.timeout)
-        except TimeoutError:
-            print(f"chaos launcher: the job did not finish within {ns.timeout:g}s; every rank was killed",
-                  file=sys.stderr)
+        seats = supervisor.finish(ns.timeout, "chaos launcher")
+        if seats is None:
             return 124
     line, status = summarize([seat.last.returncode for seat in seats], events.read(), False, seats)
     print(line, file=sys.stderr)

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from .arguments import check_arguments, check_step
 from .objects import Objects
 from .record import RestoreRecord
-from .snapshot import Snapshot, take
+from .snapshot import Pair, Snapshot, kept_and_spare, take
 
 log = logging.getLogger("inprocess")
 
@@ -48,12 +48,29 @@ class PeerState:
         self._copy_error: Optional[BaseException] = None
         self._live: Optional[Snapshot] = None  # "live": the snapshot that refers to the optimizers' tensors
         self._hooks: List[Any] = []
+        # This rank's two snapshots, one attribute, replaced in one store, so that an exception that
+        # interrupts a snapshot can never leave both on the same, half-written buffer; a commit writes
+        # into the one that is not the newest complete snapshot (kept_and_spare).
+        self._own: Pair = (None, None)
+        self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
         if required and not objects:
             raise ValueError(f"{kind}(): name at least one object, e.g. {kind}(model=model)")
         self._objects = Objects(kind, objects)
         self._values: Dict[str, Any] = {}
         self.last_restore: Optional[RestoreRecord] = None
         self._hook_optimizers()
+
+    @property
+    def step(self) -> Optional[int]:
+        """The step of the last complete snapshot this rank holds of its state (None: none)."""
+        complete = kept_and_spare(self._own)[0]
+        return None if complete is None else complete.step
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of that snapshot (host memory holds up to twice that: two buffers)."""
+        complete = kept_and_spare(self._own)[0]
+        return 0 if complete is None else complete.nbytes
 
     @property
     def values(self) -> Dict[str, Any]:

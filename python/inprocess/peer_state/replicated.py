@@ -11,7 +11,7 @@ from .base import PeerState
 from .planning import Route, replicated_plan
 from .process_group import ProcessGroupTransport
 from .record import RestoreRecord, size_text
-from .snapshot import Pair, Snapshot, destinations, kept_and_spare, load
+from .snapshot import Snapshot, destinations, kept_and_spare, load
 from .transport import Transport
 
 log = logging.getLogger("inprocess")
@@ -33,23 +33,6 @@ class ReplicatedState(PeerState):
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  snapshots: str = "copy", **objects: Any) -> None:
         super().__init__("ReplicatedState", every, rng, chunk_bytes, snapshots, objects)
-        # Two buffers, one attribute, replaced in one store, so that an exception that interrupts a
-        # snapshot can never leave both on the same, half-written buffer; a commit writes into the
-        # one that is not the newest complete snapshot (kept_and_spare).
-        self._buffers: Pair = (None, None)
-        self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
-
-    @property
-    def step(self) -> Optional[int]:
-        """The step of the last complete snapshot this rank holds (None: none)."""
-        complete = kept_and_spare(self._buffers)[0]
-        return None if complete is None else complete.step
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the last complete snapshot (host memory holds up to twice that: two buffers)."""
-        complete = kept_and_spare(self._buffers)[0]
-        return 0 if complete is None else complete.nbytes
 
     def commit(self, step: int, **values: Any) -> bool:
         """The state after `step` steps is complete: snapshot it if `step` is a
@@ -58,13 +41,13 @@ class ReplicatedState(PeerState):
         if not self._due(step):
             return False
         self.wait_copy()
-        kept, spare = kept_and_spare(self._buffers)
+        kept, spare = kept_and_spare(self._own)
         if self.snapshots == "live":  # one snapshot: it refers to the live tensors (its buffers are reused)
             spare = kept if kept is not None else spare
             kept = None
         snapshot = self._take(values, step, spare)
         snapshot.group = self._key
-        self._buffers = (snapshot, kept)
+        self._own = (snapshot, kept)
         self._values = dict(values)
         return True
 
@@ -82,7 +65,7 @@ class ReplicatedState(PeerState):
         world = ProcessGroupTransport(None, self.chunk_bytes)
         local = world if group is None else ProcessGroupTransport(group, self.chunk_bytes)
         self._key = local.key
-        held = {s.step: s for s in self._buffers if s is not None and s.step >= 0 and s.group == local.key}
+        held = {s.step: s for s in self._own if s is not None and s.step >= 0 and s.group == local.key}
         steps = sorted(held, reverse=True)
         plan = replicated_plan(world.rows([local.key, *steps, -1, -1][:3]), local.members)
         if plan is None:
@@ -114,15 +97,15 @@ class ReplicatedState(PeerState):
             received = transport.receive(source, share, destinations=lambda skeleton, shapes: destinations(
                 self._objects, skeleton, shapes))
             self._values = load(self._objects, received, self.rng, transient=True)
-            self._buffers, self._live = (None, None), None
+            self._own, self._live = (None, None), None
             return received, source, received.nbytes, 0
         assert mine is not None and mine.step == step
         finish = transport.send(mine, route[1]) if route is not None else (lambda: 0)
         self._values = load(self._objects, mine, self.rng)
         # The loaded snapshot is the complete one; a newer one (another group lacked its step) is
         # of a future this job no longer takes: dropped, so that no later restore picks it.
-        older = [s for s in self._buffers if s is not None and s is not mine and s.step < step]
-        self._buffers = (mine, older[0] if older else None)
+        older = [s for s in self._own if s is not None and s is not mine and s.step < step]
+        self._own = (mine, older[0] if older else None)
         shown = route[0] if route is not None else (moves[0][0] if moves else None)  # a source, as the record says
         return mine, shown, 0, finish()
 

@@ -51,26 +51,13 @@ class ShardedState(PeerState):
         if distance is not None and (not is_int(distance) or distance < 1):
             raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
         self.distance = distance
-        self._own: Pair = (None, None)
         self._copy: Pair = (None, None)  # the partner's
         self._exchange: Optional[Transport] = None  # over the private gloo group of this iteration
         self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
-        self._key = 0  # the lowest global rank of this iteration's group (restore's `group`)
         self.keeper: Optional[int] = None  # the global rank that keeps this rank's copy in this iteration
         self._pending: Optional[threading.Thread] = None
         self._exchange_error: Optional[BaseException] = None
         self._one_node_said = False
-
-    @property
-    def step(self) -> Optional[int]:
-        complete = kept_and_spare(self._own)[0]
-        return None if complete is None else complete.step
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of this rank's last complete snapshot of its shard."""
-        complete = kept_and_spare(self._own)[0]
-        return 0 if complete is None else complete.nbytes
 
     @property
     def copy_step(self) -> Optional[int]:

@@ -19,12 +19,21 @@ from .base import JobAssignmentCtx, RankAssignmentCtx, replace_state
 from .job import JobAssignment
 
 
-def _discard_if_leaving(ctx: RankAssignmentCtx) -> None:
+def _leaving(ctx: RankAssignmentCtx) -> list[int]:
+    """The ranks that leave, in order; RankDiscarded when this rank is one of them."""
     if ctx.state.rank in ctx.terminated_ranks:
         raise RankDiscarded(
             f"rank {ctx.state.rank} (initial rank {ctx.state.initial_rank}) is among the "
             f"{len(ctx.terminated_ranks)} terminated_ranks"
         )
+    return _sorted(ctx.terminated_ranks)
+
+
+def _renumbered(ctx: RankAssignmentCtx, rank: int, world_size: int) -> RankAssignmentCtx:
+    """`ctx` with this rank's new number and world size, the leaving ranks gone."""
+    ctx.state = replace_state(ctx.state, rank=rank, world_size=world_size)
+    ctx.terminated_ranks = set()
+    return ctx
 
 
 _last_sorted: tuple[frozenset[int], list[int]] = (frozenset(), [])
@@ -66,16 +75,9 @@ class ShiftRanks(JobAssignment):
         return ctx
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        _discard_if_leaving(ctx)
-        leaving = _sorted(ctx.terminated_ranks)
+        leaving = _leaving(ctx)
         state = ctx.state
-        ctx.state = replace_state(
-            state,
-            rank=state.rank - bisect.bisect_left(leaving, state.rank),
-            world_size=state.world_size - len(leaving),
-        )
-        ctx.terminated_ranks = set()
-        return ctx
+        return _renumbered(ctx, state.rank - bisect.bisect_left(leaving, state.rank), state.world_size - len(leaving))
 
 
 class FillGaps(JobAssignment):
@@ -105,8 +107,7 @@ class FillGaps(JobAssignment):
         return ctx
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        _discard_if_leaving(ctx)
-        leaving = _sorted(ctx.terminated_ranks)
+        leaving = _leaving(ctx)
         state = ctx.state
         w = state.world_size - len(leaving)
         rank = state.rank
@@ -115,6 +116,4 @@ class FillGaps(JobAssignment):
             below = bisect.bisect_left(leaving, w)
             mover_index = (rank - w) - (bisect.bisect_left(leaving, rank) - below)
             rank = leaving[mover_index]
-        ctx.state = replace_state(state, rank=rank, world_size=w)
-        ctx.terminated_ranks = set()
-        return ctx
+        return _renumbered(ctx, rank, w)
