@@ -26,7 +26,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess.launch import LocalJob
@@ -85,7 +85,7 @@ def run_example(name: str, steps: int, faults: int, after_s: float, timeout: flo
                 "max_ms": max(latencies_ms) if latencies_ms else None, "wall_s": wall}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=20)

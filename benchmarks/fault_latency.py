@@ -68,7 +68,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
@@ -190,7 +190,7 @@ def samples(ranks: list[list[dict]], kind: str, faults: int) -> tuple[list[dict]
 
 
 def run_job(
-    kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float, ranks_per_node: Optional[int] = None,
+    kind: str, faults: int, tmp: pathlib.Path, tag: str, timeout: float, ranks_per_node: int | None = None,
 ) -> tuple[list[list[dict]], list[str]]:
     """One 4-rank job; always reaped (LocalJob kills every rank's process group, monitors included)."""
     from inprocess.launch import LocalJob
@@ -219,7 +219,7 @@ def run_job(
 
 
 def run_kind(
-    kind: str, faults: int, tmp: pathlib.Path, deadline: float, ranks_per_node: Optional[int] = None,
+    kind: str, faults: int, tmp: pathlib.Path, deadline: float, ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """--faults clean samples, topped up by extra jobs (at most 2) for faults
     that lost a healthy rank (counted and reported as incidents)."""

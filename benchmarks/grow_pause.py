@@ -50,7 +50,7 @@ import pathlib
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from join_latency import Timeline, measured, stats, table
@@ -217,7 +217,7 @@ LABELS = {
 }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     reaping.exit_on_sigterm()  # kill PID stops the job this started, as Ctrl-C does
     ap = argparse.ArgumentParser(prog="python benchmarks/grow_pause.py", description=__doc__.split("\n")[0])
     ap.add_argument("--grows", type=int, default=10, help="kill, grow, plain restart cycles (default 10)")

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 N = 16384
 CONFIG = {"function": "benchmark.train"}
@@ -66,7 +66,7 @@ def measure(k: int, call: int, port: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/join_admit.py", description=__doc__.split("\n")[0])
     ap.add_argument("--joiners", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--smoke", action="store_true", help="16 joiners only: checks that it works, in seconds")

@@ -42,7 +42,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
@@ -59,7 +60,7 @@ def _events(out: pathlib.Path, seat: int, life: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def _first(events: list[dict[str, Any]], ev: str, **match: Any) -> Optional[dict[str, Any]]:
+def _first(events: list[dict[str, Any]], ev: str, **match: Any) -> dict[str, Any] | None:
     for e in events:
         if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
             return e
@@ -213,7 +214,7 @@ def measured(prefix: str, measure: Callable[[pathlib.Path], dict[str, Any]]) -> 
             raise
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     reaping.exit_on_sigterm()  # kill PID stops the job this started, as Ctrl-C does
     ap = argparse.ArgumentParser(prog="python benchmarks/join_latency.py", description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=10, help="kill, join, plain restart cycles (default 10)")

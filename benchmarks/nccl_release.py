@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
@@ -55,8 +55,8 @@ class Skipped(Exception):
     """A mode this machine cannot run; the message says why."""
 
 
-def run_case(name: str, arguments: Dict[str, Any], env: Optional[Dict[str, str]] = None,
-             log: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+def run_case(name: str, arguments: dict[str, Any], env: dict[str, str] | None = None,
+             log: pathlib.Path | None = None) -> dict[str, Any]:
     full = dict(os.environ, **(env or {}))
     if log is not None:
         full.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=str(log) + ".%p")
@@ -68,7 +68,7 @@ def run_case(name: str, arguments: Dict[str, Any], env: Optional[Dict[str, str]]
     return dict(json.loads(lines[-1]))
 
 
-def run_job(arguments: Dict[str, Any], ranks: int, env: Dict[str, str], log: Optional[pathlib.Path]) -> List[Any]:
+def run_job(arguments: dict[str, Any], ranks: int, env: dict[str, str], log: pathlib.Path | None) -> list[Any]:
     """``case_restart`` or ``case_multi_rank`` as a job of `ranks` processes (one report per rank)."""
     from inprocess.launch import LocalJob
 
@@ -107,24 +107,24 @@ def nccl_version() -> tuple[int, ...]:
 # -- the modes ----------------------------------------------------------------------------------
 
 
-def mode_steps(ctx: "Context") -> Dict[str, Any]:
+def mode_steps(ctx: Context) -> dict[str, Any]:
     ctx.need_gpu()
     return run_case("steps", {}, log=ctx.log("steps"))
 
 
-def mode_aborts(ctx: "Context") -> Dict[str, Any]:
+def mode_aborts(ctx: Context) -> dict[str, Any]:
     ctx.need_gpu()
     return run_case("aborts", {"groups": 4, "samples": ctx.samples}, log=ctx.log("aborts"))
 
 
-def mode_sweep(ctx: "Context") -> Dict[str, Any]:
+def mode_sweep(ctx: Context) -> dict[str, Any]:
     ctx.need_gpu()
     delays = DELAYS[:2] if ctx.smoke else DELAYS
     return run_case("sweep", {"delays": list(delays), "revokes": [False, True], "samples": ctx.samples},
                     log=ctx.log("sweep"))
 
 
-def mode_poll_cap(ctx: "Context") -> Dict[str, Any]:
+def mode_poll_cap(ctx: Context) -> dict[str, Any]:
     shim = build_poll_cap(ctx.scratch)  # built first: on a machine without a GPU, it still shows it builds
     if ctx.gpus == 0:
         raise Skipped("needs an NVIDIA GPU and a CUDA build of torch (benchmarks/poll_cap.c built)")
@@ -133,7 +133,7 @@ def mode_poll_cap(ctx: "Context") -> Dict[str, Any]:
         "sweep", arguments, env={"LD_PRELOAD": str(shim), "POLL_CAP_MS": "5"}, log=ctx.log("poll_cap"))}
 
 
-def mode_multi_rank(ctx: "Context") -> Dict[str, Any]:
+def mode_multi_rank(ctx: Context) -> dict[str, Any]:
     ctx.need_gpu()
     n, env = ctx.gpus, {}
     if n < 2:
@@ -146,13 +146,13 @@ def mode_multi_rank(ctx: "Context") -> Dict[str, Any]:
     return {"ranks": n, "per_rank": run_job(arguments, n, env, ctx.log("multi_rank"))}
 
 
-def mode_restart(ctx: "Context") -> Dict[str, Any]:
-    env: Dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+def mode_restart(ctx: Context) -> dict[str, Any]:
+    env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
                            "NCCL_NVLS_ENABLE": "0"}
     ranks, fakes = max(ctx.gpus, 1), ctx.gpus == 0
     if fakes:
         env.update(ctx.fake_env())
-    rounds: List[Any] = []
+    rounds: list[Any] = []
     for _ in range(1 if ctx.smoke else 2):  # before and after, alternating
         for overlap in (False, True):
             arguments = {"case": "restart", "fakes": fakes, "overlap": overlap, "restarts": 2 if ctx.smoke else 4,
@@ -165,7 +165,7 @@ class Context:
     def __init__(self, args: argparse.Namespace, scratch: pathlib.Path):
         self.smoke = args.smoke
         self.samples = 1 if args.smoke else args.samples
-        self.out: Optional[pathlib.Path] = pathlib.Path(args.out) if args.out else None
+        self.out: pathlib.Path | None = pathlib.Path(args.out) if args.out else None
         self.scratch = scratch
         self.gpus = gpus()
         self.finalize_ms = args.finalize_ms
@@ -174,13 +174,13 @@ class Context:
         if self.gpus == 0:
             raise Skipped("needs an NVIDIA GPU and a CUDA build of torch")
 
-    def log(self, name: str) -> Optional[pathlib.Path]:
+    def log(self, name: str) -> pathlib.Path | None:
         if self.out is None:
             return None
         (self.out / "nccl-logs").mkdir(parents=True, exist_ok=True)
         return self.out / "nccl-logs" / name
 
-    def fake_env(self) -> Dict[str, str]:
+    def fake_env(self) -> dict[str, str]:
         """The fake NCCL (tests/fakes), whose abort takes 1 s (NCCL's proxy poll, modelled)."""
         sys.path.insert(0, str(HERE.parent / "tests"))
         try:
@@ -200,20 +200,20 @@ RUNNERS = {"steps": mode_steps, "aborts": mode_aborts, "sweep": mode_sweep, "pol
 # -- the report ---------------------------------------------------------------------------------
 
 
-def _stats(values: List[float]) -> str:
+def _stats(values: list[float]) -> str:
     if not values:
         return "-"
     ordered = sorted(values)
     return f"{statistics.median(ordered):8.1f} {ordered[-1]:8.1f}"
 
 
-def print_restart(result: Dict[str, Any]) -> None:
+def print_restart(result: dict[str, Any]) -> None:
     print(f"\nrestart ({result['ranks']} rank(s){', fakes: a model, NCCL abort = 1 s' if result['fakes'] else ''}, "
           f"finalize {result['finalize_ms']} ms)   median / max ms over every rank and restart")
     columns = ("abort", "finalize", "health_check", "barrier", "teardown_ms", "gate_ms", "decided_to_call",
                "critical_path")
     print(f"  {'NCCL teardown':22s}" + "".join(f"{c.removesuffix('_ms'):>18s}" for c in columns))
-    by_overlap: Dict[bool, List[Dict[str, float]]] = {False: [], True: []}
+    by_overlap: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for job in result["rounds"]:
         for rank in job:
             by_overlap[rank["overlap"]].extend(rank["restarts"])
@@ -226,7 +226,7 @@ def print_restart(result: Dict[str, Any]) -> None:
         print(f"  critical path after / before (medians): {statistics.median(after) / statistics.median(before):.2f}")
 
 
-def _sample_rows(prefix: str, value: Any) -> List[str]:
+def _sample_rows(prefix: str, value: Any) -> list[str]:
     """Every list of samples under `value` (nested dicts and lists of per-rank dicts), one row each."""
     if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
         return [f"  {prefix:52s} {_stats([float(v) for v in value]):>18s}"]
@@ -237,7 +237,7 @@ def _sample_rows(prefix: str, value: Any) -> List[str]:
     return []
 
 
-def print_report(results: Dict[str, Any]) -> None:
+def print_report(results: dict[str, Any]) -> None:
     for mode, result in results.items():
         if "skipped" in result:
             print(f"{mode:12s} skipped: {result['skipped']}")
@@ -266,7 +266,7 @@ def main() -> int:
     if unknown or args.samples < 1 or args.finalize_ms < 0:
         parser.error(f"--modes={args.modes!r} --samples={args.samples} --finalize-ms={args.finalize_ms}: "
                      f"expected modes of {MODES}, samples >= 1, finalize-ms >= 0")
-    results: Dict[str, Any] = {}
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nccl-release-") as scratch:
         ctx = Context(args, pathlib.Path(scratch))
         for mode in modes:

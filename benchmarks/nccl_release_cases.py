@@ -13,13 +13,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 
 
-def _timed(row: Dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+def _timed(row: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
     started = time.monotonic()
     value = fn()
     row[name] = 1e3 * (time.monotonic() - started)
@@ -28,7 +29,7 @@ def _timed(row: Dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 def _on_a_fresh_thread(fn: Callable[[], Any]) -> Any:
     """`fn` on a thread that never set a CUDA device, as the restart trigger's."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -54,7 +55,7 @@ def _init(store: Any, rank: int, world: int, device: int, prefix: str = "") -> A
     return torch, dist
 
 
-def _groups(n: int) -> List[Any]:
+def _groups(n: int) -> list[Any]:
     """The world and n - 1 more groups, one all_reduce on each: their backends."""
     import torch
     import torch.distributed as dist
@@ -84,14 +85,14 @@ def _one_rank() -> Any:
     return dist.HashStore()
 
 
-def case_steps(args: Dict[str, Any]) -> Dict[str, Any]:
+def case_steps(args: dict[str, Any]) -> dict[str, Any]:
     """The library's steps one by one, the revoke included (one rank, two groups)."""
     _init(_one_rank(), 0, 1, 0)
     backends = _groups(2)
     from inprocess.gpu import libraries, nccl_abort
 
-    def release() -> Dict[str, Any]:
-        row: Dict[str, Any] = {}
+    def release() -> dict[str, Any]:
+        row: dict[str, Any] = {}
         library, why = _timed(row, "find torch's NCCL", libraries.nccl)
         if library is None or not library.has_revoke:
             raise RuntimeError(f"no NCCL with ncclCommRevoke: {why or library.version}")
@@ -110,21 +111,21 @@ def case_steps(args: Dict[str, Any]) -> Dict[str, Any]:
     return dict(_on_a_fresh_thread(release))
 
 
-def case_aborts(args: Dict[str, Any]) -> Dict[str, Any]:
+def case_aborts(args: dict[str, Any]) -> dict[str, Any]:
     """``groups`` groups released by torch's serial path (each ``abort()`` after the other, as
     destroy_process_group's shutdowns) and by the library's concurrent one (``nccl_abort.Aborts``),
     fresh groups each time: the whole release, per path."""
     from inprocess.gpu import nccl_abort
 
-    def serial(backends: List[Any]) -> None:
+    def serial(backends: list[Any]) -> None:
         for b in backends:
             b.abort()
 
-    def concurrent(backends: List[Any]) -> None:
+    def concurrent(backends: list[Any]) -> None:
         nccl_abort.Aborts(backends).wait(time.monotonic() + 60)
 
     store = _one_rank()
-    out: Dict[str, List[float]] = {"serial": [], "concurrent": []}
+    out: dict[str, list[float]] = {"serial": [], "concurrent": []}
     for sample in range(args["samples"]):
         for path, release in (("serial", serial), ("concurrent", concurrent)):
             _init(store, 0, 1, 0, prefix=f"{path}-{sample}")
@@ -133,14 +134,14 @@ def case_aborts(args: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def case_sweep(args: Dict[str, Any]) -> Dict[str, Any]:
+def case_sweep(args: dict[str, Any]) -> dict[str, Any]:
     """The teardown (the library's release of one group, revoke on or off, from a fresh thread) after
     ``delay`` seconds since the group's init and all_reduce, per delay and revoke setting."""
 
     from inprocess.gpu import nccl_abort
 
     store = _one_rank()
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for delay in args["delays"]:
         for revoke in args["revokes"]:
             times = []
@@ -153,7 +154,7 @@ def case_sweep(args: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def case_multi_rank(args: Dict[str, Any]) -> Dict[str, Any]:
+def case_multi_rank(args: dict[str, Any]) -> dict[str, Any]:
     """Every rank releases its two groups at the same instant (revoke on or off); each its own time."""
     import torch.distributed as dist
 
@@ -163,7 +164,7 @@ def case_multi_rank(args: Dict[str, Any]) -> Dict[str, Any]:
     device = rank % max(int(args["gpus"]), 1)
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=120))
-    out: Dict[str, Any] = {"rank": rank, "device": device}
+    out: dict[str, Any] = {"rank": rank, "device": device}
     for revoke in args["revokes"]:
         times = []
         for sample in range(args["samples"]):
@@ -182,7 +183,7 @@ def case_multi_rank(args: Dict[str, Any]) -> Dict[str, Any]:
 # -- a wrapped job restarting: the restart's critical path ------------------------------------
 
 
-def case_restart(args: Dict[str, Any]) -> Dict[str, Any]:
+def case_restart(args: dict[str, Any]) -> dict[str, Any]:
     """A wrapped job (one rank per GPU, or the fakes) whose last rank raises ``restarts`` times; the
     others are stuck in a collective the abort releases. Per restart, on this rank: the abort phase,
     finalize, health check, barrier, the wait for NCCL's teardown and the whole critical path
@@ -197,8 +198,8 @@ def case_restart(args: Dict[str, Any]) -> Dict[str, Any]:
     fakes = args["fakes"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    gates: List[Any] = []
-    groups: List[Any] = []
+    gates: list[Any] = []
+    groups: list[Any] = []
     if fakes:
         groups_of_iteration = _fake_groups(groups)
     health = None
@@ -222,7 +223,7 @@ def case_restart(args: Dict[str, Any]) -> Dict[str, Any]:
         soft_timeout=datetime.timedelta(seconds=60), hard_timeout=datetime.timedelta(seconds=90),
         barrier_timeout=datetime.timedelta(seconds=120),
     )
-    def train(call_wrapper: inprocess.CallWrapper = None) -> List[Dict[str, float]]:
+    def train(call_wrapper: inprocess.CallWrapper = None) -> list[dict[str, float]]:
         assert call_wrapper is not None
         if fakes:
             dist.init_process_group("gloo", store=call_wrapper.store, rank=rank, world_size=world)
@@ -244,14 +245,14 @@ def case_restart(args: Dict[str, Any]) -> Dict[str, Any]:
     return {"rank": rank, "overlap": args["overlap"], "restarts": records}
 
 
-def _phases(r: Any) -> Dict[str, float]:
+def _phases(r: Any) -> dict[str, float]:
     ms = r.phases_ms()
     ms["critical_path"] = max(0, r.initialized_ns - r.detected_ns) / 1e6
     ms["decided_to_call"] = max(0, r.initialized_ns - r.decided_ns) / 1e6
     return ms
 
 
-def _stuck_collective(fakes: bool, groups: List[Any]) -> None:
+def _stuck_collective(fakes: bool, groups: list[Any]) -> None:
     """A collective whose peer raised: stuck until the restart's abort releases it."""
     if fakes:
         import ctypes
@@ -268,7 +269,7 @@ def _stuck_collective(fakes: bool, groups: List[Any]) -> None:
     time.sleep(60)  # the restart's interrupt comes first
 
 
-def _fake_groups(groups: List[Any]) -> Callable[[], None]:
+def _fake_groups(groups: list[Any]) -> Callable[[], None]:
     """The fakes' stand-in for the iteration's NCCL groups (tests/fakes: the fake libnccl, whose
     abort takes FAKE_NCCL_TEARDOWN_MS, and torch's ProcessGroupNCCL over it), registered where
     AbortTorchDistributed looks for them."""

@@ -17,7 +17,7 @@ import json
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 

@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess import _native

@@ -41,7 +41,9 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Any, Dict, List
+from typing import Any
+
+from typing_extensions import Self
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 
@@ -103,7 +105,7 @@ def _link(dist: Any, rank: int, data: Any, chunk: int) -> float:
     return seconds
 
 
-def role_transfer(rank: int, world: int, port: int, size_mb: float, repeats: int, folder: str) -> Dict[str, Any]:
+def role_transfer(rank: int, world: int, port: int, size_mb: float, repeats: int, folder: str) -> dict[str, Any]:
     import torch
 
     import inprocess
@@ -117,7 +119,7 @@ def role_transfer(rank: int, world: int, port: int, size_mb: float, repeats: int
     if rank == 0:
         state.commit(7)
     base = _high_water_mb()
-    out: Dict[str, Any] = {"rank": rank, "size_mb": size_mb, "link_s": [], "restore_s": []}
+    out: dict[str, Any] = {"rank": rank, "size_mb": size_mb, "link_s": [], "restore_s": []}
     for trial in range(repeats):
         if rank > 0:  # a newcomer again: a state without snapshots
             state = inprocess.ReplicatedState(model=model, rng=False)
@@ -151,7 +153,7 @@ MODES = (("none", 0, "copy"), ("every 10", 10, "copy"), ("every 1", 1, "copy"),
          ("every 1, background", 1, "background"), ("every 1, live", 1, "live"))
 
 
-def role_tax(rank: int, port: int, steps: int) -> Dict[str, Any]:
+def role_tax(rank: int, port: int, steps: int) -> dict[str, Any]:
     import torch
 
     import inprocess
@@ -159,7 +161,7 @@ def role_tax(rank: int, port: int, steps: int) -> Dict[str, Any]:
     dist = _group(rank, 2, port)
     torch.manual_seed(0)
     widths = [1024, 1024, 1024, 1024]
-    layers: List[torch.nn.Module] = []
+    layers: list[torch.nn.Module] = []
     for a, b in zip(widths, widths[1:], strict=False):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers[:-1])
@@ -169,8 +171,8 @@ def role_tax(rank: int, port: int, steps: int) -> Dict[str, Any]:
               for name, every, snapshots in MODES if every}
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     x = torch.randn(64, widths[0])
-    blocks: Dict[str, List[float]] = {name: [] for name, _, _ in MODES}
-    snapshot_ms: Dict[str, List[float]] = {name: [] for name, _, _ in MODES}
+    blocks: dict[str, list[float]] = {name: [] for name, _, _ in MODES}
+    snapshot_ms: dict[str, list[float]] = {name: [] for name, _, _ in MODES}
     step = 0
     for block in range(-2, max(2, steps // (10 * len(MODES)))):  # two blocks of each to warm up
         for name, _, _ in MODES:
@@ -216,7 +218,7 @@ class ShapedHosts:
         if done.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
-    def __enter__(self) -> "ShapedHosts":
+    def __enter__(self) -> Self:
         shape = ["root", "tbf", "rate", f"{self.mbit}mbit", "burst", "1mb", "latency", "200ms"]
         self._ip("netns", "add", self.switch)
         self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -241,17 +243,17 @@ class ShapedHosts:
         for ns in [*self.names, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
-    def command(self, rank: int, argv: List[str]) -> List[str]:
+    def command(self, rank: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.names[rank], *argv]
 
-    def environment(self) -> Dict[str, str]:
+    def environment(self) -> dict[str, str]:
         return dict(os.environ, MASTER_ADDR=self.addresses[0], GLOO_SOCKET_IFNAME="eth0")
 
 
-HOSTS: List[ShapedHosts] = []  # --link-mbit: the hosts of the job running now
+HOSTS: list[ShapedHosts] = []  # --link-mbit: the hosts of the job running now
 
 
-def run_ranks(args: List[str], world: int, timeout: float) -> List[Dict[str, Any]]:
+def run_ranks(args: list[str], world: int, timeout: float) -> list[dict[str, Any]]:
     from inprocess.launch import free_port
 
     port = str(free_port())
@@ -273,7 +275,7 @@ def run_ranks(args: List[str], world: int, timeout: float) -> List[Dict[str, Any
     return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outs]
 
 
-def transfer(size: float, newcomers: int, repeats: int, folder: str, mbit: int) -> Dict[str, Any]:
+def transfer(size: float, newcomers: int, repeats: int, folder: str, mbit: int) -> dict[str, Any]:
     if mbit:
         with ShapedHosts(newcomers + 1, mbit) as hosts:
             HOSTS.append(hosts)
@@ -329,8 +331,8 @@ def main() -> int:
         parser.error(f"--sizes-mb {args.sizes_mb} --newcomers {args.newcomers} --steps {args.steps} --repeats "
                      f"{args.repeats}: expected sizes > 0, newcomers >= 1, steps >= 40, repeats >= 1")
     load = [os.getloadavg()[0]]
-    rows: List[Dict[str, Any]] = []
-    skipped: List[str] = []
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
     with tempfile.TemporaryDirectory(prefix="inprocess-peer-state-") as folder:
         for size in args.sizes_mb if "transfer" in args.parts else []:
             for newcomers in args.newcomers:
@@ -366,7 +368,7 @@ def main() -> int:
     return 0
 
 
-def _print_tax(tax: Dict[str, Any]) -> None:
+def _print_tax(tax: dict[str, Any]) -> None:
     print(f"\nstep tax, 2 ranks DDP, {tax['state_mb']:.0f} MB Adam MLP, step {tax['step_ms']:.1f} ms without snapshots")
     for name, _, _ in MODES[1:]:
         print(f"  {name:20s} tax {tax[name]['tax_pct']:+6.2f} %   commit on the training thread "

@@ -41,7 +41,8 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from inprocess import Compose, FrozenState
 from inprocess.control.membership import ACTIVE, TERMINATED, Membership

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 # Faults injected back to back, each a restart to time: the storm brake (inprocess/engine/storm.py)
 # would back off from the third of the same shape on, and this would time its back-off instead.
@@ -98,7 +98,7 @@ class Records:
     def get(self, event: str, iteration: int) -> dict[int, dict[str, Any]]:
         return self.events.get(event, {}).get(iteration, {})
 
-    def latency(self, fault_iteration: int) -> Optional[float]:
+    def latency(self, fault_iteration: int) -> float | None:
         """Seconds from fault i to the last rank's first step of iteration i+1, once known."""
         starts = self.get("first_step", fault_iteration + 1)
         if fault_iteration not in self.fault_ns or len(starts) < self.world_size:
@@ -145,7 +145,7 @@ def fmt(s: dict[str, Any]) -> str:
             f"at gloo's timeout {s['at_gloo_timeout']}")
 
 
-def dump_stacks(pids: list[int], where: Optional[pathlib.Path], label: str) -> None:
+def dump_stacks(pids: list[int], where: pathlib.Path | None, label: str) -> None:
     """Every rank's native stacks and sockets (gdb attaches for a moment; nothing is changed)."""
     extra = ["-x", os.environ["GDB_EXTRA"]] if os.environ.get("GDB_EXTRA") else []
     for rank, pid in enumerate(pids):

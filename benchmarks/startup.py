@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 from inprocess.launch import free_port
@@ -86,7 +86,7 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(ordered), "max": ordered[-1], "min": ordered[0], "n": len(ordered)}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     reaping.exit_on_sigterm()  # kill PID stops what this started, as Ctrl-C does
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=10)

@@ -48,8 +48,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import reaping  # benchmarks/reaping.py: this script's folder is first on the path
 

@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
 
 TOTAL_STEPS = int(os.environ.get("DEMO_STEPS", "100"))
 
@@ -76,10 +75,10 @@ class TrainState:
 
     def __init__(self) -> None:
         self.step = 0
-        self.snapshot: Optional[tuple[dict, dict, float]] = None  # model, optimizer, loss at `step`
-        self.previous: Optional[tuple[int, Optional[tuple[dict, dict, float]]]] = None
+        self.snapshot: tuple[dict, dict, float] | None = None  # model, optimizer, loss at `step`
+        self.previous: tuple[int, tuple[dict, dict, float] | None] | None = None
         self.faults_done: set[tuple[int, int, str]] = set()
-        self.active_rank: Optional[int] = None
+        self.active_rank: int | None = None
 
     def commit(self, model: torch.nn.Module, opt: torch.optim.Optimizer, loss: float) -> None:
         self.previous = (self.step, self.snapshot)
@@ -109,7 +108,7 @@ def build_model() -> torch.nn.Module:
     hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=90),
 )
-def train(state: TrainState, call_wrapper: Optional[inprocess.CallWrapper] = None) -> float:
+def train(state: TrainState, call_wrapper: inprocess.CallWrapper | None = None) -> float:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     # A process group per iteration, on the store the engine scopes to it. Its

@@ -25,7 +25,7 @@ import hashlib
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ def digest() -> str:
     hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=120),
 )
-def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
     global context_lost
     assert call_wrapper is not None
     me = call_wrapper.frozen_state

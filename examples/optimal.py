@@ -41,7 +41,7 @@ import datetime
 import hashlib
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401  (see below)
@@ -61,8 +61,8 @@ class Checkpoint:
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.model, self.opt = model, opt
         self.step = 0
-        self.saved: Optional[tuple[dict[str, Any], dict[str, Any]]] = None
-        self.previous: Optional[tuple[int, Optional[tuple[dict[str, Any], dict[str, Any]]]]] = None
+        self.saved: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.previous: tuple[int, tuple[dict[str, Any], dict[str, Any]] | None] | None = None
 
     def commit(self) -> None:
         self.previous = (self.step, self.saved)
@@ -123,7 +123,7 @@ def digest(model: torch.nn.Module) -> str:
     grow=inprocess.GrowPolicy(min_waiting=1, min_interval_s=0, check_every=10),
 )
 def train(model: torch.nn.Module, ckpt: Checkpoint, data: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-          step_time: float = 0.0, call_wrapper: Optional[inprocess.CallWrapper] = None) -> tuple[float, int]:
+          step_time: float = 0.0, call_wrapper: inprocess.CallWrapper | None = None) -> tuple[float, int]:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     # The gloo timeout bounds the rare collective a restart cannot release (README, "Gloo timeout").

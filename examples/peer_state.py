@@ -20,7 +20,6 @@ import datetime
 import os
 import signal
 import sys
-from typing import Optional
 
 STEPS = int(os.environ.get("EXAMPLE_STEPS", "100"))
 FAULTS = {(2, 30): "raise", (1, 60): "kill"}  # (initial rank, step): what happens there
@@ -59,7 +58,7 @@ R = inprocess.rank_assignment
     hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=90),
 )
-def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     dist.init_process_group("gloo", store=call_wrapper.store, rank=me.active_rank,

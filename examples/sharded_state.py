@@ -20,7 +20,6 @@ import datetime
 import os
 import signal
 import sys
-from typing import Optional
 
 STEPS = int(os.environ.get("EXAMPLE_STEPS", "80"))
 KILL = (1, 40)  # (initial rank, step)
@@ -61,7 +60,7 @@ R = inprocess.rank_assignment
     hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=90),
 )
-def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     rank = me.active_rank

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import time
-from typing import Optional
 
 import torch
 import torch._dynamo  # noqa: F401  (DDP's lazy import, done before any restart: see examples/optimal.py)
@@ -36,7 +35,7 @@ class Progress:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.step = 0
-        self.took_over_at: Optional[int] = None  # the iteration in which this spare became active
+        self.took_over_at: int | None = None  # the iteration in which this spare became active
 
 
 def make_train(active: int) -> inprocess.Wrapper:
@@ -50,7 +49,7 @@ def make_train(active: int) -> inprocess.Wrapper:
 
 
 def train(progress: Progress, steps: int, step_time: float = 0.0,
-          call_wrapper: Optional[inprocess.CallWrapper] = None) -> int:
+          call_wrapper: inprocess.CallWrapper | None = None) -> int:
     assert call_wrapper is not None
     me = call_wrapper.frozen_state
     if progress.took_over_at is None and call_wrapper.iteration > 0 and progress.step == 0:

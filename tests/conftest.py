@@ -8,7 +8,7 @@ import pathlib
 import signal
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch.distributed  # noqa: F401  (loads libtorch, whose getnameinfo numeric_host_names redirects)
@@ -51,7 +51,7 @@ class JobResult:
     def __init__(self, job: LocalJob, out_dir: pathlib.Path):
         self.job = job
         self.returncodes = [rp.returncode for rp in job.ranks]
-        self.logs: list[Optional[dict[str, Any]]] = []
+        self.logs: list[dict[str, Any] | None] = []
         for rank in range(job.world_size):
             path = out_dir / f"rank{rank}.json"
             self.logs.append(json.loads(path.read_text()) if path.exists() else None)
@@ -65,7 +65,7 @@ class JobResult:
         return log
 
 
-def assert_excluded(res: "JobResult", excluded: int, fault_kinds: set[str]) -> dict[str, Any]:
+def assert_excluded(res: JobResult, excluded: int, fault_kinds: set[str]) -> dict[str, Any]:
     """``excluded`` left the job in iteration 0; every other rank finished
     iteration 1 with one rank fewer. Returns the first restart's record."""
     others = [r for r in range(res.job.world_size) if r != excluded]
@@ -87,8 +87,8 @@ def run_job(
     world_size: int = 4,
     timeout: float = 90.0,
     worker: str = "ddp_worker.py",
-    env: Optional[dict[str, str]] = None,
-    ranks_per_node: Optional[int] = None,
+    env: dict[str, str] | None = None,
+    ranks_per_node: int | None = None,
 ) -> JobResult:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)

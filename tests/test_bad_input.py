@@ -19,7 +19,6 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Optional
 
 import pytest
 from torch.distributed import TCPStore
@@ -33,8 +32,8 @@ from inprocess.launch import free_port
 STACK_TRACE = "Exception raised from"
 
 
-def launch(tmp_path: pathlib.Path, world_sizes: list[Optional[int]], barrier_timeout: float,
-           timeout: float) -> tuple[list[Optional[int]], list[str], float]:
+def launch(tmp_path: pathlib.Path, world_sizes: list[int | None], barrier_timeout: float,
+           timeout: float) -> tuple[list[int | None], list[str], float]:
     """ddp_worker.py as initial ranks 0..N-1, rank r with WORLD_SIZE=world_sizes[r] (None: not started):
     exit statuses, outputs, and how long the job took. The store host's idle timeout is 3 s: where the
     ranks that leave do not number the first rank's WORLD_SIZE, it exits by that timeout
@@ -53,7 +52,7 @@ def launch(tmp_path: pathlib.Path, world_sizes: list[Optional[int]], barrier_tim
         env = {**base, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
         procs.append((rank, out, subprocess.Popen([sys.executable, str(WORKERS / "ddp_worker.py")], env=env,
                                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
-    codes: list[Optional[int]] = [None] * len(world_sizes)
+    codes: list[int | None] = [None] * len(world_sizes)
     try:
         for rank, _, proc in procs:
             codes[rank] = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))

@@ -28,7 +28,8 @@ import sys
 import threading
 import traceback
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ class FailingRankAssignment(inprocess.rank_assignment.RankAssignment):
         return ctx
 
 
-def train(model: torch.nn.Module, call_wrapper: Optional[inprocess.CallWrapper] = None) -> str:
+def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = None) -> str:
     assert call_wrapper is not None
     dist.init_process_group("gloo", store=call_wrapper.store, rank=0, world_size=1)
     group = dist.new_group([0])  # a second group: what the frames held must release it too
@@ -177,7 +178,7 @@ def native_threads() -> dict[str, str]:
 def describe(e: BaseException) -> dict[str, Any]:
     """What the caller sees of the exception it holds."""
     chain: list[str] = []
-    c: Optional[BaseException] = e
+    c: BaseException | None = e
     while c is not None:
         chain.append(type(c).__name__)
         c = c.__cause__ or c.__context__

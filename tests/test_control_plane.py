@@ -24,7 +24,7 @@ import re
 import subprocess
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import psutil
 import pytest
@@ -149,7 +149,7 @@ class MemoryStore:
             self._data[key] = _b(value)
             self._cv.notify_all()
 
-    def get(self, key: str, timeout: Optional[datetime.timedelta] = None) -> bytes:
+    def get(self, key: str, timeout: datetime.timedelta | None = None) -> bytes:
         self.wait([key], self.timeout if timeout is None else timeout)
         with self._cv:
             return self._data[key]
@@ -225,7 +225,7 @@ class CountingView:
 
 def rank_threads(
     protocols: dict[int, tuple[RestartProtocol, RestartProtocol]], n: int, dead_rank: int, timeout: float,
-    decisions: dict[int, Optional[Decision]], errors: list[BaseException],
+    decisions: dict[int, Decision | None], errors: list[BaseException],
 ) -> list[threading.Thread]:
     """One (unstarted) thread per surviving rank: its trigger waits for the restart of
     iteration 0, its main thread arrives at barrier 1 (ShiftRanks over all N ranks)."""
@@ -256,7 +256,7 @@ def read_barrier_0(protocols: dict[int, tuple[RestartProtocol, RestartProtocol]]
             main.seat_table.per_key  # noqa: B018  # asked once, then known
 
 
-def agreed_decision(decisions: dict[int, Optional[Decision]]) -> Decision:
+def agreed_decision(decisions: dict[int, Decision | None]) -> Decision:
     """The decision every rank holds; fails if two ranks hold different ones."""
     firsts = {d.to_json() for d in decisions.values() if d is not None}
     assert len(firsts) == 1, "ranks hold different decisions"
@@ -276,7 +276,7 @@ def one_restart(n: int, dead_rank: int, timeout: float = 30.0) -> tuple[list[int
     protocols = {r: (RestartProtocol(views[r][0]), RestartProtocol(views[r][1])) for r in range(n)}
     read_barrier_0(protocols, took_seats=True)
     before = {r: (protocols[r][0].ops + protocols[r][1].ops, views[r][0].calls + views[r][1].calls) for r in range(n)}
-    decisions: dict[int, Optional[Decision]] = {}
+    decisions: dict[int, Decision | None] = {}
     errors: list[BaseException] = []
 
     threads = rank_threads(protocols, n, dead_rank, timeout, decisions, errors)
@@ -360,7 +360,7 @@ def one_restart_on_nodes(
             link = NodeLink(boards[k], slot)
             protocols[r] = (RestartProtocol(views[r][0], link=link), RestartProtocol(views[r][1], link=link))
     read_barrier_0(protocols, took_seats=False)
-    decisions: dict[int, Optional[Decision]] = {}
+    decisions: dict[int, Decision | None] = {}
     errors: list[BaseException] = []
     deadline = threading.Event()  # set when the test gives up: relays stop at their next chunk
 
@@ -554,7 +554,7 @@ def test_an_active_rank_waits_for_the_event_without_reading_it() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _run_simulator(*args: str, cwd: pathlib.Path) -> "subprocess.CompletedProcess[str]":
+def _run_simulator(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
     """``python benchmarks/control_plane_sim.py ARGS`` (its server and clients die with it: PR_SET_PDEATHSIG)."""
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "control_plane_sim.py"), *args],
                           cwd=cwd, capture_output=True, text=True, timeout=150)

@@ -14,7 +14,7 @@ import glob
 import importlib
 import pathlib
 import re
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -46,7 +46,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     language: str
     text: str
-    marker: Optional[Marker]
+    marker: Marker | None
 
     @property
     def where(self) -> str:

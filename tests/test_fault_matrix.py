@@ -19,7 +19,7 @@ import os
 import pathlib
 import signal
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 # What each fault kind does to the rank it hits, as the README documents it: (exit status, the
 # fault kind the restart records) for a rank that leaves; None for a rank that survives.
-LEAVES: dict[str, Optional[tuple[int, str]]] = {
+LEAVES: dict[str, tuple[int, str] | None] = {
     "exception": None,  # a fault of this rank: every rank restarts, nobody leaves
     "hang": None,  # GIL released: soft timeout, the job restarts, the hung rank is interrupted and continues
     "gil_hang": (-signal.SIGTERM, "hard_timeout"),  # its monitor: SIGCONT + SIGTERM at hard_timeout
@@ -98,7 +98,7 @@ def report(case: str, **figures: Any) -> None:
             f.write(json.dumps({"case": case, **figures}) + "\n")
 
 
-def assert_survivor(res: JobResult, r: int, iteration: int, world_size: Optional[int]) -> dict[str, Any]:
+def assert_survivor(res: JobResult, r: int, iteration: int, world_size: int | None) -> dict[str, Any]:
     log = res.rank(r)
     assert res.returncodes[r] == 0, f"rank {r}: rc={res.returncodes[r]} {log.get('exception')}: {log.get('message')}"
     if world_size is None:  # a spare to the end: returns None

@@ -15,7 +15,8 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -452,7 +453,7 @@ def _watch(tmp_path: pathlib.Path, plan: str) -> tuple[int, int, subprocess.Pope
 ])
 def test_a_hang_without_duration_lasts_until_the_rank_is_killed(tmp_path: pathlib.Path, plan: str,
                                                                 gil_free: bool) -> None:
-    child: Optional[subprocess.Popen[str]] = None
+    child: subprocess.Popen[str] | None = None
     try:
         main_moved, background_moved, child = _watch(tmp_path, plan)
         assert main_moved <= 1, "the main thread still runs"

@@ -9,7 +9,6 @@ import os
 import pickle
 import subprocess
 import time
-from typing import Dict, Optional
 
 import pytest
 
@@ -29,8 +28,8 @@ class FakeC10d:
         self.rank, self.hang_s, self.fail = rank, hang_s, fail
         self.calls: list = []
 
-    def _dump_nccl_trace(self, includeCollectives: Optional[bool] = None, includeStackTraces: Optional[bool] = None,
-                         onlyActive: Optional[bool] = None) -> bytes:
+    def _dump_nccl_trace(self, includeCollectives: bool | None = None, includeStackTraces: bool | None = None,
+                         onlyActive: bool | None = None) -> bytes:
         self.calls.append((includeCollectives, includeStackTraces, onlyActive))
         time.sleep(self.hang_s)  # a wait without the GIL (the flight recorder's lock)
         if self.fail:
@@ -40,7 +39,7 @@ class FakeC10d:
                              "entries": [{"record_id": 0, "state": "started", "rank": self.rank}]})
 
 
-def test_dump_asks_for_no_stack_traces_and_only_active_entries(tmp_path: "os.PathLike[str]") -> None:
+def test_dump_asks_for_no_stack_traces_and_only_active_entries(tmp_path: os.PathLike[str]) -> None:
     fake = FakeC10d()
     path = os.path.join(str(tmp_path), "rank_0")
     assert flight_recorder.dump(path, 5.0, fake)
@@ -51,7 +50,7 @@ def test_dump_asks_for_no_stack_traces_and_only_active_entries(tmp_path: "os.Pat
 
 
 @pytest.mark.timeout(60)
-def test_a_dump_that_needs_the_gil_does_not_hang_the_abort(tmp_path: "os.PathLike[str]") -> None:
+def test_a_dump_that_needs_the_gil_does_not_hang_the_abort(tmp_path: os.PathLike[str]) -> None:
     # The binding keeps the GIL for the whole dump (init.cpp: no
     # gil_scoped_release); with stack traces (its default) the symbolisation
     # can wait for a thread that waits for the GIL. The fake holds the GIL
@@ -81,7 +80,7 @@ def test_a_dump_that_needs_the_gil_does_not_hang_the_abort(tmp_path: "os.PathLik
 
 
 @pytest.mark.timeout(30)
-def test_a_dump_that_waits_without_the_gil_is_abandoned(tmp_path: "os.PathLike[str]") -> None:
+def test_a_dump_that_waits_without_the_gil_is_abandoned(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(str(tmp_path), "rank_1")
     started = time.monotonic()
     assert not flight_recorder.dump(path, 0.2, FakeC10d(hang_s=10))
@@ -91,12 +90,12 @@ def test_a_dump_that_waits_without_the_gil_is_abandoned(tmp_path: "os.PathLike[s
 
 
 @pytest.mark.timeout(60)
-def test_torchs_analyser_reads_the_files_of_every_rank(tmp_path: "os.PathLike[str]") -> None:
+def test_torchs_analyser_reads_the_files_of_every_rank(tmp_path: os.PathLike[str]) -> None:
     loader = pytest.importorskip("torch.distributed.flight_recorder.components.loader")
     template = os.path.join(str(tmp_path), "fr", "iter_{iteration}", "rank_{rank}")
     for rank in (0, 1, 10):
         assert flight_recorder.dump(flight_recorder.trace_path(template, rank, 2), 5.0, FakeC10d(rank))
-    details: Dict[str, Dict[str, object]]
+    details: dict[str, dict[str, object]]
     # The analyser is given one iteration's folder (read_dir infers the
     # prefix from the files of the folder it starts in).
     folder = os.path.join(str(tmp_path), "fr", "iter_2")
@@ -123,7 +122,7 @@ def test_names_the_analyser_cannot_read_are_refused() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_the_abort_dumps_on_the_ranks_device(tmp_path: "os.PathLike[str]") -> None:
+def test_the_abort_dumps_on_the_ranks_device(tmp_path: os.PathLike[str]) -> None:
     """Issue 30, item 4 (F6): the dump runs on a thread of its own, which never had a device; it
     reads the collectives' CUDA events, and on a thread without a device the CUDA runtime makes a
     context on GPU 0. The abort hook makes the rank's device (3, its group's bound device) current

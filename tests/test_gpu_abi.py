@@ -14,7 +14,6 @@ import pathlib
 import re
 import shutil
 import subprocess
-from typing import List, Optional
 
 import pytest
 
@@ -39,7 +38,7 @@ def include_dir(package: str, wheel: str, header: str) -> pathlib.Path:
     nvml.h there, and its pip wheels lay their headers out differently)."""
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and (pathlib.Path(home) / "include" / header).is_file():
-            toolkit: Optional[pathlib.Path] = pathlib.Path(home) / "include"
+            toolkit: pathlib.Path | None = pathlib.Path(home) / "include"
             break
     else:
         toolkit = None
@@ -51,7 +50,7 @@ def include_dir(package: str, wheel: str, header: str) -> pathlib.Path:
         return toolkit
 
 
-def compile_check(extra: Optional[List[str]] = None) -> subprocess.CompletedProcess:
+def compile_check(extra: list[str] | None = None) -> subprocess.CompletedProcess:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")

@@ -10,7 +10,6 @@ import logging
 import pathlib
 import signal
 import sys
-from typing import Optional
 
 import pytest
 
@@ -139,7 +138,7 @@ def fakes() -> Fakes:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rethrow", ["0", None], ids=["readme_settings", "torch_default"])
 def test_a_sticky_error_ends_the_rank_with_76_only_without_torchs_rethrow(
-    tmp_path: pathlib.Path, fakes: Fakes, monkeypatch: pytest.MonkeyPatch, rethrow: Optional[str]
+    tmp_path: pathlib.Path, fakes: Fakes, monkeypatch: pytest.MonkeyPatch, rethrow: str | None
 ) -> None:
     monkeypatch.delenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", raising=False)  # the ranks inherit this environment
     env = {"INPROCESS_LIBCUDA": fakes["cuda"], "FAKE_TORCH_WATCHDOG": fakes["torch_watchdog"], "FAKE_CUDA_MODE": "ok",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from typing import Optional
 
 import pytest
 
@@ -33,7 +32,7 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _target(name: str) -> Optional[str]:
+def _target(name: str) -> str | None:
     """The package module ``name`` is (or lies in), or None outside the package."""
     while name and name not in MODULES:
         if name == "inprocess._native":

@@ -8,7 +8,7 @@ import json
 import pathlib
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -27,14 +27,14 @@ def event(rank: int, kind: str, t_s: float, **fields: Any) -> Event:
 
 
 def decision(rank: int, t_s: float, barrier: int, digest: str, world_size: int = 2, active: int = 2,
-             terminated: Optional[list[int]] = None, joined: Optional[list[list[int]]] = None, life: int = 0,
-             ends_job: Optional[str] = None) -> Event:
+             terminated: list[int] | None = None, joined: list[list[int]] | None = None, life: int = 0,
+             ends_job: str | None = None) -> Event:
     return event(rank, "decision", t_s, iteration=barrier, world_size=world_size, active_world_size=active,
                  terminated=terminated or [], leader=0, digest=digest, joined_lives=joined or [], life=life,
                  ends_job=ends_job, backoff_s=0.0)
 
 
-def start(rank: int, t_s: float, iteration: int, active_rank: Optional[int], world_size: int = 2,
+def start(rank: int, t_s: float, iteration: int, active_rank: int | None, world_size: int = 2,
           active: int = 2) -> Event:
     return event(rank, "iteration_start", t_s, iteration=iteration, mode="ACTIVE" if active_rank is not None
                  else "INACTIVE", job_rank=rank, active_rank=active_rank, world_size=world_size,
@@ -65,7 +65,7 @@ def segments(ranks: list[list[Event]]) -> list[Segment]:
             for i, events in enumerate(ranks)]
 
 
-def found(ranks: list[list[Event]], observations: Optional[Observations] = None) -> dict[str, list[str]]:
+def found(ranks: list[list[Event]], observations: Observations | None = None) -> dict[str, list[str]]:
     findings = invariants.check(segments(ranks), observations)
     return {f.invariant: [str(v) for v in f.violations] for f in findings if f.violations}
 

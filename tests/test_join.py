@@ -12,9 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
+from typing_extensions import Self
 
 from conftest import WORKERS, leftover_processes
 from inprocess.launch import LocalJob
@@ -36,11 +37,11 @@ class Respawner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="respawner", daemon=True)
 
-    def __enter__(self) -> "Respawner":
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
         for _, _, popen in self.processes:
@@ -107,7 +108,7 @@ Outputs = tuple[dict[tuple[int, int], int], dict[tuple[int, int], Any], str]
 
 
 def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, timeout: float = 150.0,
-              env: Optional[dict[str, str]] = None, ranks_per_node: Optional[int] = None) -> Outputs:
+              env: dict[str, str] | None = None, ranks_per_node: int | None = None) -> Outputs:
     """The job's exit statuses and results by (seat, life), and every process's output."""
     out = tmp_path / "out"
     out.mkdir()
@@ -133,7 +134,7 @@ def run_joins(tmp_path: pathlib.Path, plan: dict[str, Any], world_size: int, tim
 @pytest.mark.parametrize("ranks_per_node", [None, pytest.param(2, marks=pytest.mark.slow)],
                          ids=["one node", "node agents"])
 def test_a_respawned_rank_joins_as_the_spare_and_takes_over_at_the_next_fault(
-        tmp_path: pathlib.Path, ranks_per_node: Optional[int]) -> None:
+        tmp_path: pathlib.Path, ranks_per_node: int | None) -> None:
     """5 seats, 4 active and a spare. Seat 1 is SIGKILLed: the spare (seat 4) takes over, and the
     respawned seat 1 waits as a joiner. Seat 2 is SIGKILLed once it waits: the joiner is admitted into
     seat 1 and activated in the same restart; the respawned seat 2 waits, and the job's end closes it.

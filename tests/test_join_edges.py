@@ -11,7 +11,7 @@ import os
 import pathlib
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def until(what: str, done: Callable[[], bool], timeout: float = 90.0) -> None:
         time.sleep(0.05)
 
 
-def outcome_of(keys: JoinKeys, token_pid: int) -> "Outcome | None | str":
+def outcome_of(keys: JoinKeys, token_pid: int) -> Outcome | None | str:
     """The outcome of the joiner whose process is ``token_pid`` ("absent" before it announced)."""
     for _, a in keys.pending()[1]:
         if a.pid == token_pid:

@@ -12,7 +12,8 @@ import os
 import pathlib
 import signal
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def until(what: str, done: Callable[[], Any], timeout: float = 90.0) -> Any:
     return value
 
 
-def announcement_of(keys: JoinKeys, pid: int) -> Optional[Announcement]:
+def announcement_of(keys: JoinKeys, pid: int) -> Announcement | None:
     return next((a for _, a in keys.pending()[1] if a.pid == pid), None)
 
 

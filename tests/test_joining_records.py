@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -210,7 +210,7 @@ class WithdrawnMeanwhile:
     def __init__(self, counted: Any, withdraw: Any):
         self._counted = counted
         self._withdraw = withdraw
-        self.withdrawn: Optional[Outcome] = None
+        self.withdrawn: Outcome | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._counted, name)

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -38,7 +38,7 @@ if behaviour == "sleep":
 
 def launch(
     tmp_path: pathlib.Path, *args: str, behaviour: str = "", timeout: float = 60,
-    launcher: tuple[str, ...] = ("-m", "inprocess.launch"), env: Optional[dict[str, str]] = None,
+    launcher: tuple[str, ...] = ("-m", "inprocess.launch"), env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Runs SCRIPT under ``launcher`` (ours, or torchrun's ``-m torch.distributed.run``)."""
     script = tmp_path / "script.py"

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -322,7 +322,7 @@ def wait_for_text(path: pathlib.Path, text: str, timeout: float) -> None:
     (None, "pending"), (None, "running"),  # None: the launcher's --timeout
 ], ids=["sigterm-pending", "ctrl-c-pending", "sigterm-running", "timeout-pending", "timeout-running"])
 def test_interrupted_or_timed_out_the_launcher_stops_respawning_and_leaves_nothing_running(
-        tmp_path: pathlib.Path, stop: Optional[signal.Signals], respawn_state: str) -> None:
+        tmp_path: pathlib.Path, stop: signal.Signals | None, respawn_state: str) -> None:
     # Rank 0 runs until killed. Rank 1 dies at once; its respawn is pending (a 30 s back-off) or its
     # replacement runs (then sleeps until killed) when the launcher is stopped.
     pending = respawn_state == "pending"

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from typing_extensions import Self
 
 from conftest import leftover_processes
 from inprocess.launch import free_port
@@ -87,7 +88,7 @@ class SlurmStep:
                 raise AssertionError(f"the job did not finish within {timeout:g}s:\n{self.outputs()}") from None
         return [p.returncode for p in self.procs]
 
-    def __enter__(self) -> "SlurmStep":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -141,7 +141,7 @@ NVRX_PYTHON = os.environ.get("INPROCESS_NVRX_PYTHON")
 SHIM = PROGRAMS / "nvrx_shim"
 
 
-def records(tmp_path: pathlib.Path, python: Optional[str], program: str, world_size: int, exits: dict[int, int],
+def records(tmp_path: pathlib.Path, python: str | None, program: str, world_size: int, exits: dict[int, int],
             **env: str) -> dict[int, dict[str, Any]]:
     out = tmp_path / ("nvrx" if python else "ours")
     out.mkdir()

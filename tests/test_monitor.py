@@ -18,7 +18,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -61,8 +62,8 @@ class RankRun:
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), json.dumps(self.plan)], stdout=subprocess.PIPE, text=True
         )
-        self.monitor_pid: Optional[int] = None
-        self.monitor_status: Optional[int] = None
+        self.monitor_pid: int | None = None
+        self.monitor_status: int | None = None
 
     def spawned(self) -> int:
         assert self.proc.stdout is not None
@@ -176,7 +177,7 @@ def _arrivals(store: Any, barrier: int) -> int:
     return int(store.add(f"inprocess/0/{barrier}/arrivals", 0))
 
 
-def _assert_died_in_iteration(store: Any, run: RankRun, kind: str, type_: Optional[str] = None) -> None:
+def _assert_died_in_iteration(store: Any, run: RankRun, kind: str, type_: str | None = None) -> None:
     assert run.wait_monitor(10) == EXIT_OK, run.log()
     faults = _faults(store, 2)
     assert len(faults) == 1, (faults, run.log())
@@ -539,7 +540,7 @@ def _monitor_of_a_store_that_goes(tmp_path: pathlib.Path, heartbeat_interval_s: 
          "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False); "
          "print(s.port, flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    run: Optional[RankRun] = None
+    run: RankRun | None = None
     _set_subreaper(True)
     try:
         assert server.stdout is not None

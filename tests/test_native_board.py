@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Callable, Iterator, List, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -39,7 +39,7 @@ Spawn = Callable[..., subprocess.Popen]
 
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
-    procs: List[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []
 
     def _spawn(code: str, *args: str, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
         proc = subprocess.Popen(
@@ -62,7 +62,7 @@ def spawn() -> Iterator[Spawn]:
 
 @pytest.fixture
 def pidfds() -> Iterator[Callable[[int], int]]:
-    opened: List[int] = []
+    opened: list[int] = []
 
     def _open(pid: int) -> int:
         fd = _native.pidfd_open(pid)

@@ -12,7 +12,6 @@ import socket
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, Set
 
 import pytest
 
@@ -23,13 +22,13 @@ STUB = Path(inprocess.__file__).with_name("_native.pyi")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def stub_names() -> Dict[str, Set[str]]:
+def stub_names() -> dict[str, set[str]]:
     """Top-level names of the stub, each class with the public names it declares."""
     tree = ast.parse(STUB.read_text())
-    names: Dict[str, Set[str]] = {}
+    names: dict[str, set[str]] = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            members: Set[str] = set()
+            members: set[str] = set()
             if isinstance(node, ast.ClassDef):
                 for item in node.body:
                     if isinstance(item, ast.FunctionDef):
@@ -54,7 +53,7 @@ def is_enum_stub(name: str) -> bool:
     return False
 
 
-def module_members(obj: object) -> Set[str]:
+def module_members(obj: object) -> set[str]:
     """Public names an extension class (or submodule) defines itself."""
     own = vars(obj) if inspect.ismodule(obj) else obj.__dict__
     return {n for n in own if not n.startswith("_")}
@@ -85,7 +84,7 @@ def test_stub_class_members_match_the_module(name: str) -> None:
     assert present - declared == set(), f"{name}: in the module but not declared in the stub"
 
 
-def _enum_stub_values(name: str) -> Dict[str, int]:
+def _enum_stub_values(name: str) -> dict[str, int]:
     tree = ast.parse(STUB.read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:

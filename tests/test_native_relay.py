@@ -12,7 +12,8 @@ import builtins
 import datetime
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -253,7 +254,7 @@ class Node:
         """What the store and the board hold, as both relays must leave them."""
         p, server, board = self.p, self.server, self.board
 
-        def value(key: str) -> Optional[bytes]:
+        def value(key: str) -> bytes | None:
             return server.get(key) if server.check([key]) else None
 
         return {

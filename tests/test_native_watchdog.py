@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable, Iterator, List, Optional, Tuple
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -33,7 +33,7 @@ class Recorder:
     """on_soft_timeout: records each event, when and in which thread it ran."""
 
     def __init__(self, raise_error: bool = False) -> None:
-        self.calls: List[Tuple[_native.SoftTimeoutEvent, int, bool]] = []
+        self.calls: list[tuple[_native.SoftTimeoutEvent, int, bool]] = []
         self.cond = threading.Condition()
         self.raise_error = raise_error
 
@@ -50,12 +50,12 @@ class Recorder:
             return self.cond.wait_for(lambda: len(self.calls) >= count, timeout)
 
     @property
-    def events(self) -> List[_native.SoftTimeoutEvent]:
+    def events(self) -> list[_native.SoftTimeoutEvent]:
         with self.cond:
             return [c[0] for c in self.calls]
 
 
-Start = Callable[..., Tuple[_native.Watchdog, Recorder]]
+Start = Callable[..., tuple[_native.Watchdog, Recorder]]
 
 
 @pytest.fixture
@@ -69,9 +69,9 @@ def page() -> Iterator[_native.HeartbeatPage]:
 
 @pytest.fixture
 def start(page: _native.HeartbeatPage) -> Iterator[Start]:
-    started: List[_native.Watchdog] = []
+    started: list[_native.Watchdog] = []
 
-    def _start(interval_ns: int = INTERVAL, recorder: Optional[Recorder] = None) -> Tuple[_native.Watchdog, Recorder]:
+    def _start(interval_ns: int = INTERVAL, recorder: Recorder | None = None) -> tuple[_native.Watchdog, Recorder]:
         rec = recorder or Recorder()
         wd = _native.Watchdog(page.fd, interval_ns, rec)
         wd.start()
@@ -83,7 +83,7 @@ def start(page: _native.HeartbeatPage) -> Iterator[Start]:
         assert wd.stop(2 * S)
 
 
-def run_python(seconds: float, ping: Optional[Callable[[], None]] = None) -> None:
+def run_python(seconds: float, ping: Callable[[], None] | None = None) -> None:
     """Keep the main thread in Python bytecode (pending calls run here)."""
     end = time.monotonic() + seconds
     n = 0
@@ -229,7 +229,7 @@ def test_stop_waits_for_a_callback_in_flight(page: _native.HeartbeatPage) -> Non
 def test_callback_exception_is_reported_not_fatal(
     start: Start, page: _native.HeartbeatPage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: List[BaseException] = []
+    seen: list[BaseException] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
     wd, rec = start(recorder=Recorder(raise_error=True))
     time.sleep(2 * SOFT / S)

@@ -9,7 +9,7 @@ import datetime
 import os
 import threading
 import time
-from typing import Iterator, List
+from collections.abc import Iterator
 
 import pytest
 
@@ -49,9 +49,9 @@ class FakeComms:
         self.lib.fake_nccl_comm_state.argtypes = [ctypes.c_void_p]
         self.lib.fake_nccl_collective_wait.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.lib.fake_nccl_comm_free.argtypes = [ctypes.c_void_p]
-        self.pointers: List[int] = [int(self.lib.fake_nccl_comm_create()) for _ in range(count)]
-        self.released: List[float] = []
-        self.threads: List[threading.Thread] = []
+        self.pointers: list[int] = [int(self.lib.fake_nccl_comm_create()) for _ in range(count)]
+        self.released: list[float] = []
+        self.threads: list[threading.Thread] = []
 
     def block_collectives(self, timeout_ms: int = 10_000) -> None:
         lock = threading.Lock()
@@ -192,21 +192,21 @@ def test_variants_in_a_fresh_process(fakes: Fakes) -> None:
         "import sys, torch\n"
         "from inprocess import _native\n"
         "assert _native.NcclLibrary.find_loaded() is None, 'CPU torch loads no libnccl'\n"
-        "lib = _native.NcclLibrary.open(sys.argv[1] if len(sys.argv) > 1 else %r)\n"
+        "lib = _native.NcclLibrary.open(sys.argv[1] if len(sys.argv) > 1 else {!r})\n"
         "assert not lib.has_revoke\n"
         "out = lib.revoke([], [], 10**9)\n"
         "assert out.status == _native.GpuStatus.ERROR and '2.28.7' in out.message, out.message\n"
         "print('ok')\n"
-    ) % fakes["nccl_no_revoke"]
+    ).format(fakes["nccl_no_revoke"])
     result = run_python(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     code = (
         "from inprocess import _native\n"
         "try:\n"
-        "    _native.NcclLibrary.open(%r)\n"
+        "    _native.NcclLibrary.open({!r})\n"
         "except RuntimeError as e:\n"
         "    print(e)\n"
-    ) % fakes["nccl_no_abort"]
+    ).format(fakes["nccl_no_abort"])
     result = run_python(code)
     assert result.returncode == 0 and "lacks ncclCommAbort" in result.stdout, result.stderr
 

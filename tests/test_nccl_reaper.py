@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 
@@ -197,7 +197,7 @@ print("REPORT " + json.dumps(outcome), flush=True)
 """
 
 
-def run_job(fakes: Fakes, tmp_path: pathlib.Path, ranks: int, plan: Dict[str, Any], timeout: float = 100,
+def run_job(fakes: Fakes, tmp_path: pathlib.Path, ranks: int, plan: dict[str, Any], timeout: float = 100,
             **env: str) -> LocalJob:
     script = tmp_path / "job.py"
     script.write_text(PRELUDE.format(tests=str(TESTS)) + JOB)
@@ -215,7 +215,7 @@ def run_job(fakes: Fakes, tmp_path: pathlib.Path, ranks: int, plan: Dict[str, An
     return job
 
 
-def reports(job: LocalJob) -> List[Dict[str, Any]]:
+def reports(job: LocalJob) -> list[dict[str, Any]]:
     found = [json.loads(line.split("REPORT ", 1)[1]) for rp in job.ranks for line in rp.output.splitlines()
              if line.startswith("REPORT ")]
     assert len(found) == len(job.ranks), job.outputs()

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -65,7 +65,7 @@ def fakes() -> Fakes:
     return build_fakes()
 
 
-def run_case(fakes: Fakes, body: str, timeout: float = 30, variant: str = "nccl", **env: str) -> Dict[str, Any]:
+def run_case(fakes: Fakes, body: str, timeout: float = 30, variant: str = "nccl", **env: str) -> dict[str, Any]:
     """Runs PRELUDE + `body` in a fresh interpreter; `body` prints one JSON line last."""
     full_env = dict(os.environ)
     full_env.update({

@@ -24,7 +24,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import pytest
 

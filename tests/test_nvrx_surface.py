@@ -26,7 +26,7 @@ import pathlib
 import sys
 import types
 import typing
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -85,7 +85,7 @@ EXCEPTIONS: dict[str, str] = {
 }
 
 
-def _sig(obj: Any) -> Optional[list[inspect.Parameter]]:
+def _sig(obj: Any) -> list[inspect.Parameter] | None:
     try:
         return list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError):
@@ -109,11 +109,11 @@ class _Ours:
     def takes_keyword(self, name: str) -> bool:
         return name in self.by_keyword or self.var_keyword
 
-    def at(self, index: int) -> Optional[str]:
+    def at(self, index: int) -> str | None:
         return self.positional[index] if index < len(self.positional) else None
 
 
-def _one_parameter(path: str, name: str, index: Optional[int], ours: _Ours, used: set[str]) -> Optional[str]:
+def _one_parameter(path: str, name: str, index: int | None, ours: _Ours, used: set[str]) -> str | None:
     """The problem with NVRx's parameter ``name`` (positional number ``index``, None: keyword-only), if any."""
     if name.startswith("**"):
         return None if ours.var_keyword else f"{path}: NVRx takes {name}, this takes no **kwargs"
@@ -133,14 +133,14 @@ def _one_parameter(path: str, name: str, index: Optional[int], ours: _Ours, used
     return None
 
 
-def parameter_problems(path: str, theirs: list[str], params: Optional[list[inspect.Parameter]],
+def parameter_problems(path: str, theirs: list[str], params: list[inspect.Parameter] | None,
                        older: list[str], used: set[str]) -> list[str]:
     """What a call written for NVRx's parameters ``theirs`` could not do with ``params``."""
     if params is None:
         return [f"{path}: no signature to compare with NVRx's {theirs}"]
     ours = _Ours(params)
     problems = []
-    index: Optional[int] = 0
+    index: int | None = 0
     for name in theirs:
         if name == "*" or (name.startswith("*") and not name.startswith("**")):
             index = None  # what follows is keyword-only
@@ -183,7 +183,7 @@ def _exception_problems(path: str, obj: type, entry: dict[str, Any], used: set[s
     return []
 
 
-def _method_params(obj: type, method: str) -> Optional[list[inspect.Parameter]]:
+def _method_params(obj: type, method: str) -> list[inspect.Parameter] | None:
     """The parameters a caller passes to ``obj().method`` (None: it is an attribute here, not a method)."""
     found = inspect.getattr_static(obj, method)
     if isinstance(found, property):
@@ -409,12 +409,12 @@ def test_nested_restarter_hooks_take_nvrx_keywords() -> None:
         NestedRestarterLogger,
     )
 
-    lines: list[tuple[Optional[int], str]] = []
+    lines: list[tuple[int | None, str]] = []
 
     class Recorder:
-        rank: Optional[int] = None
+        rank: int | None = None
 
-        def set_connected_rank(self, rank: Optional[int]) -> None:
+        def set_connected_rank(self, rank: int | None) -> None:
             self.rank = rank
 
         def log_for_restarter(self, message: str) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -63,8 +64,8 @@ class Job:
     def protocol(self, store: Any = None) -> RestartProtocol:
         return RestartProtocol(self.client() if store is None else store)
 
-    def decide_fn(self, p: RestartProtocol, before: Optional[Callable[[int, int], None]] = None,
-                  barrier: int = BARRIER, previous: Optional[Membership] = None) -> Any:
+    def decide_fn(self, p: RestartProtocol, before: Callable[[int, int], None] | None = None,
+                  barrier: int = BARRIER, previous: Membership | None = None) -> Any:
         def run(dead: set[int], faults: list[FaultRecord], leader: int) -> Decision:
             with self.lock:
                 self.decided.append((leader, p.lead_term))
@@ -75,9 +76,9 @@ class Job:
 
         return run
 
-    def waiter(self, rank: int, before: Optional[Callable[[int, int], None]] = None,
-               p: Optional[RestartProtocol] = None, barrier: int = BARRIER,
-               previous: Optional[Membership] = None) -> threading.Thread:
+    def waiter(self, rank: int, before: Callable[[int, int], None] | None = None,
+               p: RestartProtocol | None = None, barrier: int = BARRIER,
+               previous: Membership | None = None) -> threading.Thread:
         """Rank ``rank`` arrives at ``barrier`` (after ``previous``: every rank active if None) and
         waits for (or takes) its decision, in a thread."""
         p = self.protocol() if p is None else p
@@ -94,7 +95,7 @@ class Job:
         thread.start()
         return thread
 
-    def count_out(self, rank: int, store: Any = None) -> Optional[int]:
+    def count_out(self, rank: int, store: Any = None) -> int | None:
         """What the monitor of ``rank`` does when it sees the rank dead."""
         monitor = RestartProtocol(TCPStoreClient("127.0.0.1", self.server.port, timeout=10) if store is None
                                   else store)
@@ -113,7 +114,7 @@ class Job:
             assert time.monotonic() < deadline, self.arrivals(BARRIER)
             time.sleep(0.01)
 
-    def value(self, name: str) -> Optional[bytes]:
+    def value(self, name: str) -> bytes | None:
         """The barrier's key ``name`` ("lead.<t>" and "decision.<t>": a term's, control/keys.py)."""
         keys = self.protocol(self.server).keys
         kind, _, term = name.partition(".")

@@ -14,7 +14,8 @@ import dataclasses
 import datetime
 import os
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -70,11 +71,11 @@ def topology_for(ra: Any, n: int) -> Topology:
     return Topology(owners, [[o.local_keys(FrozenState(rank=r, world_size=n)) for r in range(n)] for o in owners])
 
 
-def row(m: Membership, r: int) -> tuple[int, int, int, int, Optional[int]]:
+def row(m: Membership, r: int) -> tuple[int, int, int, int, int | None]:
     return (m.mode[r], m.rank[r], m.active_rank[r], m.world_size, m.active_world_size)
 
 
-def state_row(s: Any) -> tuple[int, int, int, int, Optional[int]]:
+def state_row(s: Any) -> tuple[int, int, int, int, int | None]:
     return (int(s.mode), s.rank, NONE if s.active_rank is None else s.active_rank, s.world_size, s.active_world_size)
 
 
@@ -259,7 +260,7 @@ def test_a_job_wide_assignment_called_per_rank_outside_the_wrapper_says_how_to_u
 # -- the simple assignments, job-wide --------------------------------------------------------
 
 
-def assign(ra, n, dead, previous: Optional[Membership] = None):
+def assign(ra, n, dead, previous: Membership | None = None):
     if previous is None:
         previous, _ = run_job_wide(ra, initial_membership(n), set(), 0, Topology.empty())
     m, _ = run_job_wide(ra, previous, set(dead), 1, Topology.empty())
@@ -355,7 +356,7 @@ def scenarios(draw):
 KEEPS_ITS_OWN_TABLE = {"divisible+tree"}
 
 
-def _row_view(m: Membership, r: int, state: State) -> Optional[RankAssignmentCtx]:
+def _row_view(m: Membership, r: int, state: State) -> RankAssignmentCtx | None:
     """Rank r's row of ``m`` as a per-rank result (where the per-rank call is not compared)."""
     if m.mode[r] == TERMINATED:
         return None

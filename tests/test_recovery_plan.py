@@ -6,8 +6,6 @@ rank assignments, and go through the decision's JSON form as every rank reads it
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 
 from inprocess import Compose
@@ -57,7 +55,7 @@ def decisions(ra: object, n: int, *lost: set[int]) -> list[Decision]:
     return out
 
 
-def plans(previous: Optional[Membership], d: Decision) -> list[RecoveryPlan]:
+def plans(previous: Membership | None, d: Decision) -> list[RecoveryPlan]:
     return [RecoveryPlan.for_rank(previous, d, r) for r in range(d.membership.initial_world_size)]
 
 

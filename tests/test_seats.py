@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class RaceOnSeat:
 
     def __init__(self, store: Any, race: Callable[[], None], *, claims_only: bool = False):
         self._store = store
-        self._race: Optional[Callable[[], None]] = race
+        self._race: Callable[[], None] | None = race
         self._claims_only = claims_only
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:

@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,7 @@ def load_cluster_tool() -> ModuleType:
 tool = load_cluster_tool()
 
 
-def why_no_cluster() -> Optional[str]:
+def why_no_cluster() -> str | None:
     if shutil.which("sbatch") is None:
         return ("no sbatch on PATH: SLURM's commands are not installed "
                 "(python3 tools/slurm_cluster.py start installs them)")

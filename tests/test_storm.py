@@ -6,7 +6,7 @@ import datetime
 import json
 import pathlib
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
@@ -46,13 +46,13 @@ def test_message_shape_drops_what_changes_between_two_occurrences():
     assert message_shape("bad batch") != message_shape("bad shape")
 
 
-def decided(t_s: float, progress: Optional[Progress] = None, host: str = "h") -> Decision:
+def decided(t_s: float, progress: Progress | None = None, host: str = "h") -> Decision:
     """A decision of ``host`` at ``t_s`` (its leader's clock) carrying the leader's ``progress``."""
     return Decision(1, Membership.all_active(4), [], [], 0, 0, t_ns=int(t_s * S), host=host,
                     progress=None if progress is None else progress.fields())
 
 
-def state(active_rank: Optional[int]) -> State:
+def state(active_rank: int | None) -> State:
     """A rank's state in an iteration: active with ``active_rank``, or a spare (None)."""
     s = State(initial_rank=0, initial_world_size=16, rank=0, world_size=16)
     s.mode, s.active_rank = (Mode.INACTIVE, None) if active_rank is None else (Mode.ACTIVE, active_rank)
@@ -294,8 +294,8 @@ def test_a_bad_limit_is_refused_naming_it(text: str, named: str):
 # -- a real job: every iteration fails at once, for the same reason -------------------------------
 
 
-def run_storm_job(tmp_path: pathlib.Path, seconds: float, env: Optional[dict[str, str]] = None,
-                  world_size: int = 2) -> tuple[list[dict[str, Any]], str, list[Optional[int]]]:
+def run_storm_job(tmp_path: pathlib.Path, seconds: float, env: dict[str, str] | None = None,
+                  world_size: int = 2) -> tuple[list[dict[str, Any]], str, list[int | None]]:
     from inprocess.launch import LocalJob
 
     out = tmp_path / "out"

@@ -18,8 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -120,15 +120,16 @@ def test_module_imports_and_works_without_torch(server: dist.TCPStore) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_client_and_its_wire_module_stand_alone_without_torch(tmp_path) -> None:
-    # The three files, copied into a package of their own, work without torch and without inprocess.
+    # The four files, copied into a package of their own, work without torch and without inprocess.
     import inprocess.control.store_errors as errors
     import inprocess.control.tcpstore_client as client
+    import inprocess.control.tcpstore_connect as connect
     import inprocess.control.tcpstore_wire as wire
 
     package = tmp_path / "storeclient"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for module in (client, wire, errors):
+    for module in (client, connect, wire, errors):
         shutil.copy(module.__file__, package / pathlib.Path(module.__file__).name)
     code = (
         "import sys\n"

@@ -13,7 +13,7 @@ import pathlib
 import struct
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -67,8 +67,8 @@ class RankFile:
                   active_rank=self.rank if mode == "ACTIVE" else None, world_size=world_size,
                   active_world_size=world_size)
 
-    def decision(self, ms: float, iteration: int, faults: Optional[list[dict[str, Any]]] = None,
-                 terminated: Optional[list[int]] = None, world_size: int = 2) -> None:
+    def decision(self, ms: float, iteration: int, faults: list[dict[str, Any]] | None = None,
+                 terminated: list[int] | None = None, world_size: int = 2) -> None:
         faults = faults or []
         self.emit(ms, "decision", iteration=iteration, world_size=world_size, active_world_size=world_size,
                   terminated=terminated or [], leader=0, n_faults=len(faults), faults=faults)
@@ -124,7 +124,7 @@ def instants(trace: dict[str, Any], cat: str) -> list[dict[str, Any]]:
     return [e for e in trace["traceEvents"] if e["ph"] == "i" and e["cat"] == cat]
 
 
-def run_cli(*args: str, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "inprocess.timeline", *args], capture_output=True, text=True,
                           timeout=60, env=env)
 

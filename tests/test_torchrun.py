@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -73,7 +73,7 @@ class TorchrunJob:
 
 
 def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: int = 0, shared_store: bool = True,
-                 timeout: float = 120.0, env: Optional[dict[str, str]] = None) -> TorchrunJob:
+                 timeout: float = 120.0, env: dict[str, str] | None = None) -> TorchrunJob:
     """torchrun with NPROC workers (see :func:`torchrun`); every process it leads is gone when this returns."""
     out = tmp_path / "out"
     out.mkdir()
@@ -91,7 +91,7 @@ def run_torchrun(tmp_path: pathlib.Path, plan: dict[str, Any], *, max_restarts: 
     return TorchrunJob(out, returncode, output, left)
 
 
-def torchrun(tmp_path: pathlib.Path, script_and_args: list[str], *, env: Optional[dict[str, str]] = None,
+def torchrun(tmp_path: pathlib.Path, script_and_args: list[str], *, env: dict[str, str] | None = None,
              max_restarts: int = 0, nproc: int = NPROC, timeout: float = 120.0) -> tuple[int, str, dict[int, str]]:
     """``python -m torch.distributed.run --nproc-per-node=NPROC script args...`` (--standalone's rendezvous
     on a chosen port) in ``tmp_path``:

@@ -32,14 +32,13 @@ def test_disabled_wrapper_returns_the_function_untouched():
 
 
 def test_call_wrapper_parameter_is_found_by_annotation():
-    from typing import Optional as Opt
 
     from inprocess.wrap import _call_wrapper_parameter
 
     def a(x, cw: inprocess.CallWrapper):
         pass
 
-    def b(cw: Opt[inprocess.CallWrapper] = None):
+    def b(cw: inprocess.CallWrapper | None = None):
         pass
 
     def c(*args, **kwargs):

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # This file, and the checkout it belongs to (its tests). It is no part of the installed package: it runs the
 # checkout's tests and starts jobs of its own, which import the package this interpreter has installed
@@ -72,7 +73,7 @@ class Result:
 # -- what the machine has ------------------------------------------------------
 
 
-def _nvidia_smi(query: str) -> List[List[str]]:
+def _nvidia_smi(query: str) -> list[list[str]]:
     """Rows of ``nvidia-smi --query-<query> --format=csv,noheader``; [] without it."""
     if shutil.which("nvidia-smi") is None:
         return []
@@ -86,9 +87,9 @@ def _nvidia_smi(query: str) -> List[List[str]]:
     return [[field.strip() for field in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
-def environment() -> Dict[str, Any]:
+def environment() -> dict[str, Any]:
     """Versions and devices, without creating a CUDA context in this process."""
-    found: Dict[str, Any] = {"python": sys.version.split()[0], "host": socket.gethostname()}
+    found: dict[str, Any] = {"python": sys.version.split()[0], "host": socket.gethostname()}
     try:
         import torch
 
@@ -120,7 +121,7 @@ def environment() -> Dict[str, Any]:
 # -- pytest --------------------------------------------------------------------
 
 
-def _checkout(tests: Optional[str]) -> Optional[pathlib.Path]:
+def _checkout(tests: str | None) -> pathlib.Path | None:
     """The folder holding ``tests/``: `tests`'s parent, else the checkout this
     package is imported from, else the current directory when it is a
     checkout (a package installed with ``pip install .`` carries no tests,
@@ -135,7 +136,7 @@ def _checkout(tests: Optional[str]) -> Optional[pathlib.Path]:
 
 
 def run_pytest(label: str, root: pathlib.Path, targets: Sequence[str], marker: str, out: pathlib.Path,
-               timeout: float) -> List[Result]:
+               timeout: float) -> list[Result]:
     """The tests in `targets` (relative to `root`), one Result per test case,
     from pytest's JUnit XML."""
     xml = out / f"pytest-{label}.xml"
@@ -177,19 +178,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(check: str, nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def _torchrun(check: str, nproc: int, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={_free_port()}", str(THIS), "--worker", check]
     full = dict(os.environ, **env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
 
 
-def _reports(output: str) -> List[Dict[str, Any]]:
+def _reports(output: str) -> list[dict[str, Any]]:
     """The ``ACCEPTANCE {json}`` lines the workers print, one per rank."""
     return [json.loads(line.split("ACCEPTANCE ", 1)[1]) for line in output.splitlines() if "ACCEPTANCE {" in line]
 
 
-def _job_check(name: str, check: str, nproc: int, env: Dict[str, str], judge: Any) -> Result:
+def _job_check(name: str, check: str, nproc: int, env: dict[str, str], judge: Any) -> Result:
     started = time.monotonic()
     try:
         done = _torchrun(check, nproc, env, CHECK_TIMEOUT_S)
@@ -205,7 +206,7 @@ def _job_check(name: str, check: str, nproc: int, env: Dict[str, str], judge: An
     return Result(name, "pass" if ok else "fail", detail, time.monotonic() - started)
 
 
-def _judge_own_device(reports: List[Dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
+def _judge_own_device(reports: list[dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
     bad = [r for r in reports if r["devices_with_context"] != [r["own_device"]] or r["pointers"] < 1]
     hint = ""
     if reports and all(not r["devices_with_context"] for r in reports):
@@ -218,14 +219,14 @@ def _judge_own_device(reports: List[Dict[str, Any]], done: subprocess.CompletedP
 
 
 def _judge_released(limit_s: float) -> Any:
-    def judge(reports: List[Dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
+    def judge(reports: list[dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
         times = [r["released_s"] for r in reports if "released_s" in r]
         detail = f"released after {', '.join(f'{t:.3f}' for t in times)} s (limit {limit_s:g}s)"
         return bool(times) and max(times) < limit_s and done.returncode == 0, detail
     return judge
 
 
-def _judge_latency(reports: List[Dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
+def _judge_latency(reports: list[dict[str, Any]], done: subprocess.CompletedProcess) -> Any:
     times = sorted(t for r in reports for t in r.get("release_ms", []))
     if not times:
         return False, "no release time reported"
@@ -254,7 +255,7 @@ def sticky_error_check() -> Result:
                   time.monotonic() - started)
 
 
-def gpu_checks(gpus: int) -> List[Result]:
+def gpu_checks(gpus: int) -> list[Result]:
     results = []
     if gpus >= 1:
         results.append(_job_check("revoke and abort from the restart thread on every local rank, no stray context",
@@ -305,7 +306,7 @@ def _abort_from_a_fresh_thread(seconds: float) -> float:
     from inprocess.abort import AbortTorchDistributed
     from inprocess.state import FrozenState
 
-    took: List[float] = []
+    took: list[float] = []
 
     def run() -> None:
         t = time.monotonic()
@@ -338,7 +339,7 @@ def _worker_own_device() -> None:
     dist.all_reduce(x, group=second)
     torch.cuda.synchronize()
     backends = [g._get_backend(torch.device("cuda")) for g in (dist.group.WORLD, second)]
-    seen: Dict[str, Any] = {}
+    seen: dict[str, Any] = {}
 
     def release() -> None:
         report = nccl_abort.release(backends, 30.0, revoke=True)  # the revoke's own path, opt-in
@@ -387,7 +388,7 @@ def _worker_stuck(nonblocking: bool) -> None:
     os._exit(0)
 
 
-def _abort_later(nccl_abort: Any, backend: Any, aborted_at: List[float]) -> None:
+def _abort_later(nccl_abort: Any, backend: Any, aborted_at: list[float]) -> None:
     time.sleep(1.0)
     aborted_at.append(time.monotonic())
     nccl_abort.release([backend], 20.0)
@@ -409,7 +410,7 @@ def _worker_latency() -> None:
         from inprocess.gpu import nccl_abort
 
         backend = group._get_backend(torch.device("cuda"))
-        aborted_at: List[float] = []
+        aborted_at: list[float] = []
         threading.Thread(target=_abort_later, args=(nccl_abort, backend, aborted_at)).start()
         try:
             torch.cuda.synchronize()
@@ -432,7 +433,7 @@ def _worker_sticky() -> None:
 
     @Wrapper(health_check=CudaHealthCheck(), soft_timeout=datetime.timedelta(seconds=30),
              hard_timeout=datetime.timedelta(seconds=60), barrier_timeout=datetime.timedelta(seconds=90))
-    def train(call_wrapper: Optional[CallWrapper] = None) -> None:
+    def train(call_wrapper: CallWrapper | None = None) -> None:
         assert call_wrapper is not None
         state = call_wrapper.frozen_state
         torch.cuda.set_device(0)
@@ -462,7 +463,7 @@ WORKERS = {
 # -- the report ----------------------------------------------------------------
 
 
-def markdown(env: Dict[str, Any], results: List[Result], notes: List[str]) -> str:
+def markdown(env: dict[str, Any], results: list[Result], notes: list[str]) -> str:
     counts = {s: sum(1 for r in results if r.status == s) for s in ("pass", "fail", "skip")}
     lines = ["# inprocess GPU acceptance", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {env.get('host')}: "
@@ -480,7 +481,7 @@ def markdown(env: Dict[str, Any], results: List[Result], notes: List[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/gpu_acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for report.json and report.md "
                         "(default: ./inprocess-acceptance-<UTC time>)")
@@ -499,8 +500,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     gpus = int(env.get("gpus") or 0)
-    results: List[Result] = []
-    notes: List[str] = []
+    results: list[Result] = []
+    notes: list[str] = []
     root = _checkout(args.tests)
     if root is None:
         notes.append("the tests were not found (an installed package carries none): pass --tests "

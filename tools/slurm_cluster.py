@@ -42,7 +42,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 DIR = pathlib.Path(os.environ.get("INPROCESS_SLURM_DIR", "/tmp/inprocess-slurm"))
 NODES = ("inprocess-node1", "inprocess-node2", "inprocess-node3")
@@ -157,7 +157,7 @@ class Cluster:
 
     # -- processes -----------------------------------------------------------------
 
-    def daemons(self, node: Optional[str] = None) -> list[int]:
+    def daemons(self, node: str | None = None) -> list[int]:
         """The pids of this cluster's daemons (of one node's slurmd and slurmstepds, with ``node``)."""
         if node is None:
             return pids_with(f"{MARK}={self.root}")
@@ -303,7 +303,7 @@ def _name(pid: int) -> str:
         return ""
 
 
-def pids_with(entry: str, also: Optional[str] = None) -> list[int]:
+def pids_with(entry: str, also: str | None = None) -> list[int]:
     """Processes whose environment holds ``entry`` (and ``also``, when given): exact ``NAME=value`` items."""
     want = [entry.encode()] + ([also.encode()] if also else [])
     found = []
@@ -396,7 +396,7 @@ def install() -> None:
             policy.unlink()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("start", "stop", "status", "kill-node", "start-node"))

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .config import SimConfig
 from .harness import Session
@@ -130,7 +130,7 @@ def write_outputs(out: str, run: dict[str, Any], command: str) -> None:
         print(f"skipped {png}: matplotlib is not installed ({BENCH_EXTRA} to draw it)", file=sys.stderr)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     command = "python benchmarks/control_plane_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -10,7 +10,7 @@ import gc
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from .decoding import share_decoding
 from .job import SimJob
@@ -27,7 +27,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _command(job: Optional[SimJob], conns: Connections, cmd: dict[str, Any]) -> tuple[Optional[SimJob], Any]:
+def _command(job: SimJob | None, conns: Connections, cmd: dict[str, Any]) -> tuple[SimJob | None, Any]:
     """Runs one command: (the job from now on, the answer)."""
     what = cmd["cmd"]
     if what == "job":
@@ -71,7 +71,7 @@ def client_main() -> None:
             share_decoding()
         conns = Connections(cfg["port"], cfg["groups"], cfg["timeout_s"], cfg["relay"])
         send({"connections": conns.count})
-        job: Optional[SimJob] = None
+        job: SimJob | None = None
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":

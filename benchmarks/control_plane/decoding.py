@@ -12,7 +12,8 @@ decodes on every rank (the tests use it).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from inprocess.control.records import Decision
 

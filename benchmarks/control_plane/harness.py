@@ -19,7 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+
+from typing_extensions import Self
 
 from .config import SimConfig
 from .joins import ADMIT, JoinPlan
@@ -68,11 +71,11 @@ def _client_argv() -> tuple[list[str], dict[str, str]]:
 class Child:
     """A child process speaking JSON lines; its stdout is read by a thread."""
 
-    def __init__(self, argv: list[str], env: Optional[dict[str, str]] = None):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
         full_env = dict(os.environ, **CHILD_ENV, **(env or {}))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      env=full_env)
-        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -145,13 +148,13 @@ class Session:
     def __init__(self, cfg: SimConfig, progress: Progress = _quiet):
         self.cfg = cfg
         self.progress = progress
-        self.server: Optional[Child] = None
+        self.server: Child | None = None
         self.clients: list[Child] = []
         self.connections = 0
         self.port = 0
         self._calls = 0
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Self:
         try:
             self._start()
         except BaseException:
@@ -159,7 +162,7 @@ class Session:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _start(self) -> None:
@@ -196,7 +199,7 @@ class Session:
         procs = len(clients)
         return clients, [n * k // procs for k in range(procs + 1)]
 
-    def simulate(self, n: int, ranks_per_node: Optional[int] = None) -> dict[str, Any]:
+    def simulate(self, n: int, ranks_per_node: int | None = None) -> dict[str, Any]:
         """``cfg.restarts`` restarts of a job of N simulated ranks, in node mode
         (``ranks_per_node`` > 0; default: ``cfg.ranks_per_node``) or direct mode (0)."""
         cfg = self.cfg

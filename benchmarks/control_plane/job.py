@@ -33,7 +33,8 @@ import hashlib
 import json
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from inprocess import _native
 from inprocess.compose import Compose

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from inprocess.control.joining import ADMITTED, ENDED, Announcement, JoinKeys
 from inprocess.control.membership import ACTIVE, TERMINATED
@@ -145,8 +145,8 @@ class SimJoiners:
         self.tokens = {s: f"{HOST}-sim{s}-{time.monotonic_ns() % 10**9}" for s in seats}
         self.results: dict[int, list[Any]] = {}  # seat -> [t_announced, t_admitted, t_decided, life, barrier, ops]
         self.decisions: dict[int, Any] = {}
-        self.error: Optional[str] = None
-        self.thread: Optional[threading.Thread] = None
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
 
     def announce(self) -> None:
         """What ``engine.join.wait_for_admission`` sends before it waits, for every joiner in turn."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 from inprocess.control.membership import ACTIVE, TERMINATED
 from inprocess.control.store_ops import WAIT_CHUNK_S
@@ -93,8 +93,8 @@ def _node_figures(j: int, done: list[dict[str, Any]], alive: list[int], rpn: int
 
 
 def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: list[dict[str, Any]],
-                    rpn: int = 0, rows: Optional[list[tuple[int, int, int]]] = None,
-                    joined: Optional[list[int]] = None) -> dict[str, Any]:
+                    rpn: int = 0, rows: list[tuple[int, int, int]] | None = None,
+                    joined: list[int] | None = None) -> dict[str, Any]:
     """The figures of restart ``j`` from every client process's records; raises
     if the ranks disagree or a rank holds a wrong assignment. ``rows``: every
     rank's expected row when it is not :func:`expected_row`'s (with joiners);
@@ -163,8 +163,8 @@ def restart_figures(n: int, j: int, faulty: list[int], cfg: SimConfig, done: lis
 
 
 def joiner_figures(j: int, t0: int, admitted: list[int], done: list[dict[str, Any]], digests: set[str],
-                   admit_ms: Optional[float], rows: Optional[list[tuple[int, int, int]]],
-                   admit_calls: Optional[int] = None) -> dict[str, Any]:
+                   admit_ms: float | None, rows: list[tuple[int, int, int]] | None,
+                   admit_calls: int | None = None) -> dict[str, Any]:
     """Restart j admitted ``admitted``: every joiner got its admission at barrier j+1 and read the
     ranks' decision, holding its expected row in it."""
     joiners = sorted((rec for d in done for rec in d["joiners"]), key=lambda rec: rec[0])

@@ -30,7 +30,7 @@ import collections
 import hashlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from inprocess.control.protocol import COMPLETE, RestartProtocol
 from inprocess.processes.native_relay import NativeNodeRelay
@@ -63,8 +63,8 @@ class SimNode:
     __slots__ = ("index", "board", "relay", "ranks", "events", "arrivals", "e_tally", "a_tally", "last_ops", "last",
                  "native", "_digest")
 
-    def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: "NodeGroup",
-                 cap_s: float, pipe: Any = None, native: Optional[tuple[Any, Any]] = None):
+    def __init__(self, index: int, call: int, board: Any, op_conn: Any, wait_conn: Any, group: NodeGroup,
+                 cap_s: float, pipe: Any = None, native: tuple[Any, Any] | None = None):
         self.index = index
         self.board = board
         self.ranks: list[SimRank] = []
@@ -158,7 +158,7 @@ class NodeGroup:
         node's ranks but the leader (answered by the board).
     """
 
-    def __init__(self, job: "SimJob", name: str):
+    def __init__(self, job: SimJob, name: str):
         self.job = job
         self.name = name
         self.nodes: list[SimNode] = []
@@ -167,8 +167,8 @@ class NodeGroup:
         self.iteration = 0
         self.live: list[tuple[SimNode, list[SimRank]]] = []  # this iteration's nodes with live ranks
         self.todo: collections.deque[tuple[SimNode, list[SimRank]]] = collections.deque()
-        self.leader: Optional[SimRank] = None
-        self.leader_thread: Optional[threading.Thread] = None
+        self.leader: SimRank | None = None
+        self.leader_thread: threading.Thread | None = None
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
 
     # -- Turns --------------------------------------------------------------

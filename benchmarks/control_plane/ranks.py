@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from inprocess.control.node_link import NodeLink
 from inprocess.control.protocol import COMPLETE, RestartProtocol
@@ -51,7 +51,7 @@ class SimRank:
     __slots__ = ("rank", "trigger", "main", "t_tally", "m_tally", "last_ops", "last", "t_woken", "link")
 
     def __init__(self, rank: int, call: int, op_conn: Any, wait_conn: Any, group: Any,
-                 link: Optional[NodeLink] = None):
+                 link: NodeLink | None = None):
         self.rank = rank
         self.link = link
         self.t_tally, self.m_tally = Tally(), Tally()
@@ -99,7 +99,7 @@ class Group:
     (the first blocks until the decision, the others find it set).
     """
 
-    def __init__(self, job: "SimJob", name: str):
+    def __init__(self, job: SimJob, name: str):
         self.job = job
         self.name = name
         self.ranks: list[SimRank] = []
@@ -107,7 +107,7 @@ class Group:
         self.iteration = 0
         self.todo: collections.deque[SimRank] = collections.deque()
         self.deferred: list[SimRank] = []
-        self.leader_thread: Optional[threading.Thread] = None
+        self.leader_thread: threading.Thread | None = None
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
 
     # -- Turns --------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 from inprocess.control.store_ops import WAIT_CHUNK_S
 
@@ -62,7 +62,7 @@ STEADY_COLUMNS: list[Column] = [
 ]
 
 
-def table(results: list[dict[str, Any]], markdown: bool = False, columns: Optional[list[Column]] = None) -> str:
+def table(results: list[dict[str, Any]], markdown: bool = False, columns: list[Column] | None = None) -> str:
     columns = COLUMNS if columns is None else columns
     head = [c[0] for c in columns]
     rows = [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in columns] for r in results]
@@ -265,7 +265,7 @@ def _torch_version() -> str:
 
 
 def markdown_block(results: list[dict[str, Any]], cfg: SimConfig, command: str, lines: list[str],
-                   png: Optional[str]) -> str:
+                   png: str | None) -> str:
     """The results block: the command, the tables, the verdicts and the plot's link (if drawn)."""
     modes = " and ".join(
         f"node mode ({r['ranks_per_node']} ranks per node: one board and one agent relay per node)"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from .config import HOST
 
@@ -138,8 +138,8 @@ class SharedStore:
     a time per connection).
     """
 
-    def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Optional[Turns],
-                 cap_s: Optional[float] = None, pipe: Any = None):
+    def __init__(self, op_conn: Any, wait_conn: Any, tally: Tally, group: Turns | None,
+                 cap_s: float | None = None, pipe: Any = None):
         self._op = op_conn
         self._pipe = pipe  # a node agent's forward connection (TCPStoreClient): its pipelined seats
         self._wait_conn = wait_conn

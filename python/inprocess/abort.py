@@ -7,7 +7,7 @@ import datetime
 import importlib
 import logging
 from types import ModuleType
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .engine import pg_tracker
 from .gpu import flight_recorder, nccl_abort, nccl_reaper
@@ -26,7 +26,7 @@ class Abort(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+    def __call__(self, state: FrozenState) -> FrozenState | None:
         raise NotImplementedError
 
 
@@ -78,13 +78,13 @@ class AbortTorchDistributed(Abort):
 
     def __init__(
         self,
-        torch_fr_trace_path: Optional[str] = None,
+        torch_fr_trace_path: str | None = None,
         nccl_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
         fr_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
         revoke: bool = False,
         overlap_teardown: bool = True,
     ):
-        values: Dict[str, object] = {"nccl_timeout": nccl_timeout, "fr_timeout": fr_timeout}
+        values: dict[str, object] = {"nccl_timeout": nccl_timeout, "fr_timeout": fr_timeout}
         for name, value in values.items():
             if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
                 raise ValueError(f"{name}={value!r}: expected a positive datetime.timedelta")
@@ -127,7 +127,7 @@ class AbortTorchDistributed(Abort):
         return state
 
 
-def nccl_backends(torch: Any, dist: Any) -> List[Any]:
+def nccl_backends(torch: Any, dist: Any) -> list[Any]:
     """The backends of every registered process group that torch's NCCL abort must reach."""
     if not dist.is_initialized():
         return []
@@ -136,7 +136,7 @@ def nccl_backends(torch: Any, dist: Any) -> List[Any]:
     return [b for g in list(c10d._world.pg_map.keys()) for b in _non_gloo_backends(g, torch)]
 
 
-def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
+def _non_gloo_backends(group: object, torch: Any) -> list[Any]:
     """The backend of `group` that must be aborted: its CUDA backend
     (ProcessGroupNCCL, whose ``_comm_ptr()`` the revoke needs), else the
     group itself; nothing for a gloo-only group."""
@@ -158,7 +158,7 @@ def _non_gloo_backends(group: object, torch: Any) -> List[Any]:
         return [group]
 
 
-def _optional_module(name: str) -> Optional[ModuleType]:
+def _optional_module(name: str) -> ModuleType | None:
     """``name`` imported, or None where it cannot be: an optional library absent,
     or present but failing to import (TransformerEngine without its CUDA libraries)."""
     try:

@@ -12,7 +12,8 @@ iteration's ``store``. The restart itself is the engine's: the loop
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +45,7 @@ class CallWrapper:
         self._w = wrapper
         self.state: State
         self.restarts: list[RestartRecord] = []
-        self._recovery: Optional[Recovery] = None  # set while the call runs
+        self._recovery: Recovery | None = None  # set while the call runs
 
     # -- public API (used from inside the wrapped function) --------------------
 

@@ -9,14 +9,14 @@ the package.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any
 
 _lock = threading.Lock()
-_current: Optional[Any] = None  # an inprocess.CallWrapper
+_current: Any | None = None  # an inprocess.CallWrapper
 _started = 0
 
 
-def current_call() -> Optional[Any]:
+def current_call() -> Any | None:
     """The :class:`inprocess.CallWrapper` of the wrapped call running in this process, if any.
 
     Use it where the function cannot take a ``CallWrapper`` parameter (behind

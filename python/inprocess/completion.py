@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional
 
 from .state import FrozenState
 
@@ -16,5 +15,5 @@ class Completion(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+    def __call__(self, state: FrozenState) -> FrozenState | None:
         raise NotImplementedError

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Iterator, Optional, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 T = TypeVar("T")  # NVRx's module exports this name
 
@@ -35,12 +40,12 @@ def nearest_common_base(instances: tuple[Any, ...]) -> type:
     return next(cls for cls in type(instances[0]).__mro__ if cls in shared)
 
 
-def find_common_ancestor(*instances: Any) -> Optional[type]:
+def find_common_ancestor(*instances: Any) -> type | None:
     """NVRx's name for :func:`nearest_common_base`, taking the instances as arguments; None without any."""
     return nearest_common_base(instances) if instances else None
 
 
-def _compose_class(base: type) -> Optional[type]:
+def _compose_class(base: type) -> type | None:
     """``Compose`` made a subclass of ``base`` (one class per base), or None if ``base`` cannot be one."""
     if issubclass(base, Compose):
         # Compositions of compositions: the base the inner ones stand for.
@@ -66,7 +71,7 @@ class Compose:
 
     instances: tuple[Any, ...]
 
-    def __new__(cls, *instances: Any) -> "Compose":
+    def __new__(cls, *instances: Any) -> Self:
         target: type = cls
         if cls is Compose and instances and all(callable(i) for i in instances):
             target = _compose_class(nearest_common_base(instances)) or Compose

@@ -18,7 +18,7 @@ import difflib
 import logging
 import os
 import threading
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 log = logging.getLogger("inprocess")
 
@@ -49,7 +49,7 @@ _warned: set[str] = set()
 _lock = threading.Lock()
 
 
-def env_int(name: str, default: Optional[int] = None) -> int:
+def env_int(name: str, default: int | None = None) -> int:
     """``int(os.environ[name])`` (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...); ``default`` when it is
     not set (None: it must be set). A value that is not an integer is an error that names the variable."""
     raw = os.environ.get(name)
@@ -67,20 +67,20 @@ def known(name: str) -> bool:
     return name in LIBRARY or name in SUITE or name.startswith(SUITE_PREFIXES)
 
 
-def nearest(name: str) -> Optional[str]:
+def nearest(name: str) -> str | None:
     """The known variable ``name`` most likely misspells, if one is close enough."""
     close = difflib.get_close_matches(name, list(LIBRARY), n=1, cutoff=0.6)
     return close[0] if close else None
 
 
-def unknown(environ: Optional[Mapping[str, str]] = None) -> list[tuple[str, Optional[str]]]:
+def unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """Each ``INPROCESS_*`` variable set in ``environ`` (default: this process's) that nothing reads,
     with the nearest known name (None when none is close), sorted."""
     env = os.environ if environ is None else environ
     return [(name, nearest(name)) for name in sorted(env) if name.startswith(PREFIX) and not known(name)]
 
 
-def warn_unknown(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def warn_unknown(environ: Mapping[str, str] | None = None) -> list[str]:
     """One WARNING per unknown ``INPROCESS_*`` variable, once per process and name; returns the lines."""
     lines = []
     for name, guess in unknown(environ):

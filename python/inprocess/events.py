@@ -69,7 +69,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 ENV_VAR = "INPROCESS_EVENTS_DIR"
 
@@ -83,16 +83,16 @@ class EventLog:
         self._rank = rank
         self._call = call
         # O_APPEND: lines of several writers (a relaunched process) never interleave within a line.
-        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, directory: Optional[str], rank: int, call: int) -> Optional[EventLog]:
+    def open(cls, directory: str | None, rank: int, call: int) -> EventLog | None:
         """The log for ``directory`` (else ``$INPROCESS_EVENTS_DIR``), or None when neither is set."""
         directory = directory or os.environ.get(ENV_VAR) or None
         return None if directory is None else cls(directory, rank, call)
 
-    def emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
+    def emit(self, kind: str, t_ns: int | None = None, **fields: Any) -> None:
         """One event; ``t_ns`` (CLOCK_MONOTONIC) dates one that happened earlier, e.g. on another thread."""
         now_ns, wall = time.monotonic_ns(), time.time()
         if t_ns is not None:

@@ -10,7 +10,7 @@ that rank's caller gets) is a ``RestartError``, as in NVRx, so a caller's
 from __future__ import annotations
 
 import builtins
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 
 class RestartError(Exception):
@@ -61,7 +61,7 @@ class RankDiscarded(RestartError):
 def exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc``, then what it was raised from or during (``__cause__``, else ``__context__``), each once."""
     seen: set[int] = set()
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         yield e

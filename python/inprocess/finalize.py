@@ -6,7 +6,8 @@ import abc
 import datetime
 import logging
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from .exception import TimeoutError
 from .state import FrozenState
@@ -22,7 +23,7 @@ class Finalize(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+    def __call__(self, state: FrozenState) -> FrozenState | None:
         raise NotImplementedError
 
 
@@ -46,8 +47,8 @@ class ThreadedFinalize(Finalize):
         self,
         timeout: datetime.timedelta,
         fn: Callable[..., Any],
-        args: Optional[tuple[Any, ...]] = (),
-        kwargs: Optional[dict[str, Any]] = None,
+        args: tuple[Any, ...] | None = (),
+        kwargs: dict[str, Any] | None = None,
     ):
         given: object = timeout  # checked at run time: callers are not all type-checked
         if not isinstance(given, datetime.timedelta) or given <= datetime.timedelta(0):
@@ -89,7 +90,7 @@ class ThreadedFinalize(Finalize):
         return state
 
 
-def _rank_cuda_device() -> Optional[int]:
+def _rank_cuda_device() -> int | None:
     """This rank's CUDA device (the rule of :mod:`inprocess.gpu.device`:
     ``LOCAL_RANK`` modulo the devices torch sees); None without CUDA.
 

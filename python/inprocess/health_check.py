@@ -8,7 +8,6 @@ import logging
 import os
 import pathlib
 import time
-from typing import Dict, List, Optional, Tuple
 
 from . import _native
 from .exception import HealthCheckError, RestartError, TimeoutError
@@ -29,7 +28,7 @@ class HealthCheck(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+    def __call__(self, state: FrozenState) -> FrozenState | None:
         raise NotImplementedError
 
 
@@ -55,7 +54,7 @@ class FaultCounter(HealthCheck):
     the number counted so far (NVRx's attribute).
     """
 
-    def __init__(self, max_rank_faults: Optional[int] = None):
+    def __init__(self, max_rank_faults: int | None = None):
         given: object = max_rank_faults
         if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
             raise ValueError(f"max_rank_faults={max_rank_faults!r}: expected an int >= 0 or None")
@@ -101,14 +100,14 @@ def _positive_seconds(name: str, value: object) -> float:
 class _GpuCheck(HealthCheck):
     """What the GPU checks share: the device, the deadline, unavailability."""
 
-    def __init__(self, timeout: datetime.timedelta, device_index: Optional[int], on_unavailable: str):
+    def __init__(self, timeout: datetime.timedelta, device_index: int | None, on_unavailable: str):
         self.timeout = timeout
         self._timeout_s = _positive_seconds("timeout", timeout)
         if device_index is not None:
             device.cuda_ordinal(device_index)  # validates
         self.device_index = device_index
         self.on_unavailable = _check_on_unavailable(on_unavailable)
-        self.ordinal: Optional[int] = None  # the CUDA device the last run checked
+        self.ordinal: int | None = None  # the CUDA device the last run checked
 
     def _unavailable(self, state: FrozenState, reason: str) -> FrozenState:
         message = f"{type(self).__name__} unavailable: {reason}"
@@ -121,7 +120,7 @@ class _GpuCheck(HealthCheck):
                 " (said once: later checks skip at DEBUG level)" if first else "")
         return state
 
-    def _cuda_device(self, driver: _native.CudaDriver) -> Tuple[Optional[int], str]:
+    def _cuda_device(self, driver: _native.CudaDriver) -> tuple[int | None, str]:
         """This rank's CUDA device, by the devices the driver lets this
         process see; None and the reason where it sees none."""
         count = driver.device_count(int(self._timeout_s * 1e9))
@@ -136,7 +135,7 @@ class _GpuCheck(HealthCheck):
             return None, "the CUDA driver reports no device"
         return device.cuda_ordinal(self.device_index, int(count.value)), ""
 
-    def _nvml_report(self) -> Tuple[Optional[_native.NvmlReport], str]:
+    def _nvml_report(self) -> tuple[_native.NvmlReport | None, str]:
         library, reason = libraries.nvml()
         if library is None:
             return None, reason
@@ -183,7 +182,7 @@ class CudaHealthCheck(_GpuCheck):
     def __init__(
         self,
         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
-        device_index: Optional[int] = None,
+        device_index: int | None = None,
         probe_bytes: int = 1 << 20,
         on_unavailable: str = "skip",
     ):
@@ -263,11 +262,11 @@ class NvmlHealthCheck(_GpuCheck):
     def __init__(
         self,
         timeout: datetime.timedelta = datetime.timedelta(seconds=10),
-        device_index: Optional[int] = None,
+        device_index: int | None = None,
         on_unavailable: str = "skip",
     ):
         super().__init__(timeout, device_index, on_unavailable)
-        self.ecc_baseline: Optional[int] = None
+        self.ecc_baseline: int | None = None
 
     def __call__(self, state: FrozenState) -> FrozenState:
         report, reason = self._nvml_report()
@@ -299,7 +298,7 @@ class _ChainedCheck(_GpuCheck):
 
     def __init__(
         self,
-        device_index: Optional[int] = None,
+        device_index: int | None = None,
         timeout: datetime.timedelta = datetime.timedelta(seconds=10),
         on_unavailable: str = "skip",
     ):
@@ -332,7 +331,7 @@ class ChainedNVLHealthCheck(_ChainedCheck):
     logs a failure, this one raises ``GpuUnhealthy``; wrap it to ignore it.
     Unavailable on a GPU without NVLink."""
 
-    baseline: Optional[List[int]] = None  # the links active at the first run
+    baseline: list[int] | None = None  # the links active at the first run
 
     def __call__(self, state: FrozenState) -> FrozenState:
         report, reason = self._nvml_report()
@@ -359,8 +358,8 @@ class ChainedNicHealthCheck(_GpuCheck):
 
     def __init__(
         self,
-        device_index: Optional[int] = None,
-        nics: Optional[List[str]] = None,
+        device_index: int | None = None,
+        nics: list[str] | None = None,
         sysfs_root: str = "/sys/class/infiniband",
         timeout: datetime.timedelta = datetime.timedelta(seconds=10),
         on_unavailable: str = "skip",
@@ -370,8 +369,8 @@ class ChainedNicHealthCheck(_GpuCheck):
         self.sysfs_root = sysfs_root
         self.baseline = self._read()
 
-    def _read(self) -> Dict[str, int]:
-        counters: Dict[str, int] = {}
+    def _read(self) -> dict[str, int]:
+        counters: dict[str, int] = {}
         root = pathlib.Path(self.sysfs_root)
         if not root.is_dir():
             return counters

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional
 
 from .exception import RestartAbort
 from .state import FrozenState
@@ -18,7 +17,7 @@ class Initialize(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> Optional[FrozenState]:
+    def __call__(self, state: FrozenState) -> FrozenState | None:
         raise NotImplementedError
 
 
@@ -34,7 +33,7 @@ class RetryController(Initialize):
 
     def __init__(
         self,
-        max_iterations: Optional[int] = None,
+        max_iterations: int | None = None,
         min_world_size: int = 1,
         min_active_world_size: int = 1,
     ):

@@ -43,7 +43,8 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .respawn import (
     REPLACE_ME_STATUSES,
@@ -56,6 +57,9 @@ from .respawn import (
     exit_status_unreaped,
     replacement_reason,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["REPLACE_ME_STATUSES", "RESPAWN_BACKOFF_CAP_S", "LocalJob", "RankProcess", "RespawnPolicy", "Supervisor",
            "exit_status_unreaped", "free_port", "main", "replacement_reason"]
@@ -126,12 +130,12 @@ def _can_listen(port: int) -> bool:
 class RankProcess:
     rank: int
     popen: subprocess.Popen[str]
-    returncode: Optional[int] = None
+    returncode: int | None = None
     output: str = ""
     # While LocalJob.wait runs: the thread that reads this process's output as it comes (a pipe read
     # only once the ranks before it exited fills, 64 KiB, and the rank then blocks in its next write,
     # at any point of the protocol: issue 31's storm without the brake "hung" so, at a barrier).
-    reader: Optional[threading.Thread] = None
+    reader: threading.Thread | None = None
 
     def read_output(self) -> None:
         """Until the process and what holds its pipe exited (a reader thread's body)."""
@@ -146,11 +150,11 @@ class LocalJob:
         self,
         argv: Sequence[str],
         world_size: int,
-        env: Optional[dict[str, str]] = None,
-        port: Optional[int] = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
         capture: bool = True,
-        ranks_per_node: Optional[int] = None,
-        python: Optional[str] = None,
+        ranks_per_node: int | None = None,
+        python: str | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: expected >= 1")
@@ -173,7 +177,7 @@ class LocalJob:
         self.ranks: list[RankProcess] = []  # the first process of each rank, in rank order
         self.respawned: list[RankProcess] = []  # the replacements (:meth:`respawn`), oldest first
 
-    def __enter__(self) -> "LocalJob":
+    def __enter__(self) -> Self:
         try:
             for rank in range(self.world_size):
                 self.ranks.append(self._start(rank, {}))
@@ -219,7 +223,7 @@ class LocalJob:
         )
         return RankProcess(rank, popen)
 
-    def respawn(self, rank: int, count: int, extra_env: Optional[dict[str, str]] = None) -> RankProcess:
+    def respawn(self, rank: int, count: int, extra_env: dict[str, str] | None = None) -> RankProcess:
         """Start the ``count``-th replacement of rank ``rank``'s process: the seat's environment, plus
         :data:`JOIN_VAR` (it joins a running job), :data:`RESPAWN_COUNT_VAR` and ``extra_env``."""
         if not 0 <= rank < self.world_size:
@@ -235,7 +239,7 @@ class LocalJob:
         first_on_node = rank // self.ranks_per_node * self.ranks_per_node
         return min(self.ranks_per_node, self.world_size - first_on_node)
 
-    def wait(self, timeout: Optional[float]) -> list[RankProcess]:
+    def wait(self, timeout: float | None) -> list[RankProcess]:
         """Wait for every rank (``timeout`` None: however long); on timeout kill them all and raise TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         readers = []
@@ -282,7 +286,7 @@ class LocalJob:
         self.kill()
 
 
-def _exit_status(returncode: Optional[int]) -> int:
+def _exit_status(returncode: int | None) -> int:
     if returncode is None:
         return 1
     return 128 - returncode if returncode < 0 else returncode
@@ -318,7 +322,7 @@ class EventsReader:
         self.directory = pathlib.Path(directory)
         self.start = {path.name: path.stat().st_size for path in self.directory.glob("rank*.jsonl")}
 
-    def read(self) -> Optional[EventsSeen]:
+    def read(self) -> EventsSeen | None:
         """None when no rank wrote an event here (a program without the wrapper, or with its own events_dir)."""
         events: list[dict[str, Any]] = []
         for path in sorted(self.directory.glob("rank*.jsonl")):
@@ -339,8 +343,8 @@ class EventsReader:
         return EventsSeen(len(restarts), excluded)
 
 
-def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], strict: bool,
-              seats: Optional[Sequence[RankSeat]] = None) -> tuple[str, int]:
+def summarize(returncodes: Sequence[int | None], seen: EventsSeen | None, strict: bool,
+              seats: Sequence[RankSeat] | None = None) -> tuple[str, int]:
     """The summary line and the launcher's exit status.
 
     The job finished when every rank returned 0, or was excluded by a restart's decision while a rank
@@ -383,7 +387,7 @@ def summarize(returncodes: Sequence[Optional[int]], seen: Optional[EventsSeen], 
     return f"inprocess.launch: {verdict}: {'; '.join(parts)}; exit status {status}", status
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m inprocess.launch",
         description="Run N ranks of a Python script on 127.0.0.1 (for trying inprocess on one machine).",

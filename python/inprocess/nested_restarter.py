@@ -46,7 +46,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from .abort import Abort
 from .completion import Completion
@@ -71,7 +71,7 @@ def restarter_logger() -> logging.Logger:
     return logger
 
 
-def status_line(state: str, stage: Optional[str] = None) -> str:
+def status_line(state: str, stage: str | None = None) -> str:
     """The message of one event (what follows the logger's prefix)."""
     line = f"[NestedRestarter] name=[InProcess] state={state}"
     return line if stage is None else f"{line} stage={stage}"
@@ -91,10 +91,10 @@ class NestedRestarterLogger(logging.Logger):
         self.propagate = False
         self.addHandler(logging.StreamHandler(sys.stderr))
         self.restarter_logger = restarter_logger()
-        self.rank: Optional[int] = None
+        self.rank: int | None = None
         self.set_connected_rank(None)
 
-    def set_connected_rank(self, rank: Optional[int]) -> None:
+    def set_connected_rank(self, rank: int | None) -> None:
         """The rank this process speaks for, shown in the lines of this logger."""
         self.rank = rank
         who = f"{self.name}{os.getpid()}@{socket.gethostname()}:{'<none>' if rank is None else rank}"
@@ -112,7 +112,7 @@ class NestedRestarterLogger(logging.Logger):
         self.log_for_restarter(message, *args, **kwargs)
 
 
-_shared_logger: Optional[NestedRestarterLogger] = None
+_shared_logger: NestedRestarterLogger | None = None
 
 
 def shared_logger() -> NestedRestarterLogger:
@@ -128,7 +128,7 @@ class NestedRestarterCallback:
     """Writes ``status_line(restarter_state, restarter_stage)`` through ``logger`` on ``special_rank``."""
 
     restarter_state: str
-    restarter_stage: Optional[str] = None
+    restarter_stage: str | None = None
     logger: Any = dataclasses.field(default_factory=shared_logger)
     special_rank: int = 0
 
@@ -168,7 +168,7 @@ class NestedRestarterHandlingCompleted(Initialize, NestedRestarterCallback):
     ``state=handling stage=completed`` at each iteration after a restart."""
 
     restarter_state: str = "initialize"
-    restarter_stage: Optional[str] = None
+    restarter_stage: str | None = None
 
     def __init__(self, special_rank: int = 0):
         self.restarter_state = "initialize"
@@ -188,7 +188,7 @@ class NestedRestarterHandlingStarting(Abort, NestedRestarterCallback):
     """``abort`` hook: ``state=handling stage=starting`` when a restart begins."""
 
     restarter_state: str = "handling"
-    restarter_stage: Optional[str] = "starting"
+    restarter_stage: str | None = "starting"
 
     def __call__(self, state: FrozenState) -> FrozenState:
         return NestedRestarterCallback.__call__(self, state)

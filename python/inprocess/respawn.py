@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from .exits import EXIT_CODE_CONTEXT_LOST, EXIT_CODE_UNRELEASABLE
 
@@ -30,7 +31,7 @@ class Process(Protocol):
 
     rank: int
     popen: subprocess.Popen[str]
-    returncode: Optional[int]
+    returncode: int | None
 
 
 class Job(Protocol):
@@ -45,7 +46,7 @@ def say(line: str) -> None:
     print(f"inprocess.launch: {line}", file=sys.stderr, flush=True)
 
 
-def describe_status(returncode: Optional[int]) -> str:
+def describe_status(returncode: int | None) -> str:
     if returncode is None:
         return "did not exit"
     if returncode < 0:
@@ -56,7 +57,7 @@ def describe_status(returncode: Optional[int]) -> str:
     return f"exited with status {returncode}"
 
 
-def replacement_reason(returncode: Optional[int]) -> Optional[str]:
+def replacement_reason(returncode: int | None) -> str | None:
     """Why a rank's process that exited must be replaced, or None when it left the job on its own terms.
 
     A process killed by a signal is gone without having left (SIGKILL, a segfault, the OOM killer, the
@@ -98,7 +99,7 @@ class RankSeat:
 
     rank: int
     lives: list[Process]
-    respawn_at: Optional[float] = None  # time.monotonic() of the pending respawn
+    respawn_at: float | None = None  # time.monotonic() of the pending respawn
     respawn_reason: str = ""  # why the pending respawn replaces the last process
     empty_because: str = ""  # why a process that had to be replaced was not
 
@@ -129,9 +130,9 @@ class Supervisor:
         self.job = job
         self.policy = policy
         self.seats: list[RankSeat] = []  # from the job's ranks, once it started
-        self.stop_signal: Optional[int] = None  # set by a signal handler: the loop raises KeyboardInterrupt
+        self.stop_signal: int | None = None  # set by a signal handler: the loop raises KeyboardInterrupt
 
-    def finish(self, timeout: Optional[float], who: str) -> Optional[list[RankSeat]]:
+    def finish(self, timeout: float | None, who: str) -> list[RankSeat] | None:
         """:meth:`wait`, or None past ``timeout``, said on stderr as `who`: the caller then leaves the
         job's ``with``, which kills every rank, and exits 124 (as timeout(1) does)."""
         try:
@@ -140,7 +141,7 @@ class Supervisor:
             print(f"{who}: the job did not finish within {timeout:g}s; every rank was killed", file=sys.stderr)
             return None
 
-    def wait(self, timeout: Optional[float]) -> list[RankSeat]:
+    def wait(self, timeout: float | None) -> list[RankSeat]:
         """Until every seat's last process exited and no respawn is pending. Raises TimeoutError past
         ``timeout`` and KeyboardInterrupt once :attr:`stop_signal` is set; the caller kills the job."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -197,7 +198,7 @@ class Supervisor:
         say(f"rank {seat.rank} respawned (attempt {seat.respawns} of {self.policy.max_per_seat}, "
              f"pid {seat.last.popen.pid}, {RESPAWN_COUNT_VAR}={seat.respawns})")
 
-    def _job_ending(self, seat: RankSeat) -> Optional[str]:
+    def _job_ending(self, seat: RankSeat) -> str | None:
         """Why the job is ending for ``seat``'s respawn, or None while it runs."""
         others = [s for s in self.seats if s is not seat]
         finished = [s.rank for s in others if s.last.returncode == 0]
@@ -208,7 +209,7 @@ class Supervisor:
         return None
 
 
-def exit_status_unreaped(popen: subprocess.Popen[str]) -> Optional[int]:
+def exit_status_unreaped(popen: subprocess.Popen[str]) -> int | None:
     """The process's returncode (as Popen's: -N for signal N) once it exited, without reaping it; None
     while it runs.
 

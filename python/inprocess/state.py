@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from .environment import env_int
 
@@ -50,14 +51,14 @@ class State:
 
     rank: int = dataclasses.field(default_factory=_rank_from_env)
     world_size: int = dataclasses.field(default_factory=_world_size_from_env)
-    active_rank: Optional[int] = None
-    active_world_size: Optional[int] = None
+    active_rank: int | None = None
+    active_world_size: int | None = None
     # None until __post_init__ copies rank and world_size (the NVRx defaults).
     initial_rank: int = None  # type: ignore[assignment]
     initial_world_size: int = None  # type: ignore[assignment]
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
-    fn_exception: Optional[BaseException] = None
+    fn_exception: BaseException | None = None
 
     def __post_init__(self) -> None:
         if _unset(self.initial_rank):
@@ -66,11 +67,11 @@ class State:
             self.initial_world_size = self.world_size
 
     @classmethod
-    def from_env(cls) -> "State":
+    def from_env(cls) -> State:
         """This rank's state before the first assignment, from ``RANK`` and ``WORLD_SIZE``."""
         return cls(_rank_from_env(), _world_size_from_env())
 
-    def freeze(self) -> "FrozenState":
+    def freeze(self) -> FrozenState:
         return FrozenState(**self._fields())
 
     def advance(self) -> None:
@@ -78,7 +79,7 @@ class State:
         self.iteration += 1
         self.fn_exception = None
 
-    def copy_from(self, other: Any, fields: Optional[Iterable[str]] = None) -> None:
+    def copy_from(self, other: Any, fields: Iterable[str] | None = None) -> None:
         """Copy ``fields`` (default: all) from another State or FrozenState."""
         wanted = None if fields is None else set(fields)
         for f in dataclasses.fields(self):
@@ -117,13 +118,13 @@ class FrozenState:
 
     rank: int = dataclasses.field(default_factory=_rank_from_env)
     world_size: int = dataclasses.field(default_factory=_world_size_from_env)
-    active_rank: Optional[int] = None
-    active_world_size: Optional[int] = None
+    active_rank: int | None = None
+    active_world_size: int | None = None
     initial_rank: int = None  # type: ignore[assignment]
     initial_world_size: int = None  # type: ignore[assignment]
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
-    fn_exception: Optional[BaseException] = None
+    fn_exception: BaseException | None = None
 
     def __post_init__(self) -> None:
         if _unset(self.initial_rank):

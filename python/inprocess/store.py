@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -96,14 +96,14 @@ class TCPStore(dist.TCPStore, StoreMixin):
 
     def __init__(
         self,
-        host_name: Optional[str] = None,
-        port: Optional[int] = None,
-        world_size: Optional[int] = None,
+        host_name: str | None = None,
+        port: int | None = None,
+        world_size: int | None = None,
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
         wait_for_workers: bool = True,
         multi_tenant: bool = False,
         use_libuv: bool = True,
-        tcp_store_host_rank: Optional[int] = None,
+        tcp_store_host_rank: int | None = None,
         host_process: bool = True,
         host_idle_timeout_s: float = 60.0,
     ):
@@ -134,7 +134,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
                       origin)
         # A process that joins a running job (INPROCESS_JOIN=1) finds the store served already.
         self.is_host = rank == self.tcp_store_host_rank and not use_agent_store and not join_requested()
-        self.host_process: Optional[HelperProcess] = None
+        self.host_process: HelperProcess | None = None
         # On every rank: the server runs in a store host, which exits once the call is done.
         self.served_by_store_host = bool(host_process) and not use_agent_store
         serve_here = self.is_host
@@ -191,7 +191,7 @@ def _under_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
-def uses_agent_store(host_name: Optional[str], port: Optional[int]) -> bool:
+def uses_agent_store(host_name: str | None, port: int | None) -> bool:
     """The store that ``host_name``/``port`` name (None: from MASTER_ADDR/MASTER_PORT) is torchrun's agent
     store, which every rank joins as a client; else the host rank serves it.
 
@@ -219,7 +219,7 @@ def _addresses(host: str) -> set[str]:
         return set()
 
 
-def _address_origin(host_name: Optional[str], port: Optional[int], agent_store: bool) -> str:
+def _address_origin(host_name: str | None, port: int | None, agent_store: bool) -> str:
     """Where the store's address comes from, for the errors and the log: the keywords or the environment."""
     host = "MASTER_ADDR" if host_name is None else "store_kwargs host_name"
     where = f"{host}, {'MASTER_PORT' if port is None else 'store_kwargs port'}"
@@ -264,7 +264,7 @@ def _reach_store(address: tuple[Any, ...], host: str, port: int, timeout_s: floa
 
 
 def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: float, poll_s: float = 0.005,
-                    *, deadline: Optional[float] = None, origin: str = "MASTER_ADDR, MASTER_PORT") -> None:
+                    *, deadline: float | None = None, origin: str = "MASTER_ADDR, MASTER_PORT") -> None:
     """Return once something accepts connections at the address; ``deadline`` (monotonic) ends the
     wait before ``timeout_s`` (which the error names) when the caller spent some of it already."""
     family, kind, proto, _, sockaddr = address
@@ -289,7 +289,7 @@ def _await_listener(address: tuple[Any, ...], host: str, port: int, timeout_s: f
         time.sleep(poll_s)
 
 
-def _int_in(low: int, high: Optional[int] = None) -> Any:
+def _int_in(low: int, high: int | None = None) -> Any:
     return lambda v: type(v) is int and v >= low and (high is None or v <= high)
 
 
@@ -312,7 +312,7 @@ _KWARG_RULES: dict[str, tuple[str, Any]] = {
 class FileStore(dist.FileStore, StoreMixin):
     """torch's FileStore, for jobs on a single host (a path every rank can open)."""
 
-    def __init__(self, file_name: Optional[str] = None, world_size: int = -1):
+    def __init__(self, file_name: str | None = None, world_size: int = -1):
         if file_name is None:
             file_name = os.environ.get("INPROCESS_FILE_STORE")
             if not file_name:
@@ -369,5 +369,5 @@ def is_host(store: Any) -> bool:
     return bool(getattr(store, "is_host", False)) and host_process(store) is None
 
 
-def host_process(store: Any) -> Optional[HelperProcess]:
+def host_process(store: Any) -> HelperProcess | None:
     return getattr(store, "host_process", None)

@@ -27,7 +27,8 @@ import functools
 import inspect
 import re
 import typing
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -50,7 +51,7 @@ _DEFAULT_RANK_ASSIGNMENT = Compose(ActivateAllRanks(), ShiftRanks())
 _MAX_DEFAULT_HEARTBEAT_INTERVAL = datetime.timedelta(seconds=30)
 
 
-def _heartbeat_interval(interval: Optional[datetime.timedelta], timeout: Any) -> Optional[datetime.timedelta]:
+def _heartbeat_interval(interval: datetime.timedelta | None, timeout: Any) -> datetime.timedelta | None:
     """The monitors' heartbeat interval: as given, else half of ``heartbeat_timeout``
     up to 30 s (a timeout chosen alone, as nvidia_resiliency_ext allows, stays valid)."""
     if interval is not None:
@@ -113,16 +114,16 @@ class Wrapper:
     def __init__(
         self,
         store_factory: Callable[..., dist.Store] = store_mod.TCPStore,
-        store_kwargs: Optional[dict[str, Any]] = None,
-        initialize: Optional[Callable[[FrozenState], Any]] = None,
-        abort: Optional[Callable[[FrozenState], Any]] = AbortTorchDistributed(),
-        finalize: Optional[Callable[[FrozenState], Any]] = None,
-        health_check: Optional[Callable[[FrozenState], Any]] = None,
+        store_kwargs: dict[str, Any] | None = None,
+        initialize: Callable[[FrozenState], Any] | None = None,
+        abort: Callable[[FrozenState], Any] | None = AbortTorchDistributed(),  # noqa: B008 (NVRx's default)
+        finalize: Callable[[FrozenState], Any] | None = None,
+        health_check: Callable[[FrozenState], Any] | None = None,
         rank_assignment: Any = _DEFAULT_RANK_ASSIGNMENT,
         monitor_thread_interval: datetime.timedelta = datetime.timedelta(seconds=1),
         monitor_process_interval: datetime.timedelta = datetime.timedelta(seconds=1),
         progress_watchdog_interval: datetime.timedelta = datetime.timedelta(seconds=1),
-        heartbeat_interval: Optional[datetime.timedelta] = None,
+        heartbeat_interval: datetime.timedelta | None = None,
         soft_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         hard_timeout: datetime.timedelta = datetime.timedelta(seconds=90),
         heartbeat_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
@@ -130,15 +131,15 @@ class Wrapper:
         completion_timeout: datetime.timedelta = datetime.timedelta(seconds=120),
         last_call_wait: datetime.timedelta = datetime.timedelta(seconds=1),
         termination_grace_time: datetime.timedelta = datetime.timedelta(seconds=5),
-        monitor_process_logfile: Optional[str] = None,
-        monitor_process_pidfile: Optional[str] = None,
-        completion: Optional[Callable[[FrozenState], Any]] = None,
-        terminate: Optional[Callable[[FrozenState], Any]] = None,
+        monitor_process_logfile: str | None = None,
+        monitor_process_pidfile: str | None = None,
+        completion: Callable[[FrozenState], Any] | None = None,
+        terminate: Callable[[FrozenState], Any] | None = None,
         enabled: bool = True,
-        node_agent: Optional[bool] = None,
-        events_dir: Optional[str] = None,
+        node_agent: bool | None = None,
+        events_dir: str | None = None,
         rank_filter: None = None,
-        grow: Optional[GrowPolicy] = None,
+        grow: GrowPolicy | None = None,
     ):
         if rank_filter is not None:
             raise ValueError(
@@ -208,7 +209,7 @@ class Wrapper:
         return typing.cast(F, wrapped)
 
 
-def _call_wrapper_parameter(fn: Callable[..., Any]) -> Optional[str]:
+def _call_wrapper_parameter(fn: Callable[..., Any]) -> str | None:
     """Name of the parameter annotated ``CallWrapper`` or ``Optional[CallWrapper]``."""
     try:
         params = inspect.signature(fn).parameters

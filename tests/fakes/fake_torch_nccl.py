@@ -39,7 +39,6 @@ import os
 import threading
 import time
 from types import SimpleNamespace
-from typing import Optional
 
 from .gpu_fakes import Fakes
 
@@ -71,13 +70,13 @@ class FakeProcessGroupNCCL:
         dump_wait_s: float = 0.0,
         ready: bool = True,
         timeout_s: float = 600.0,
-        nccl: Optional[str] = None,
+        nccl: str | None = None,
     ):
         self.device = device
         self.timeout_s = timeout_s
         self.async_error_handling = async_error_handling
         self.dump_wait_s = dump_wait_s
-        self.bound_device_id: Optional[FakeDevice] = FakeDevice(device) if bound else None
+        self.bound_device_id: FakeDevice | None = FakeDevice(device) if bound else None
         self.options = SimpleNamespace(config=SimpleNamespace(blocking=1 if blocking else 0))
         self._c10d = ctypes.CDLL(fakes["c10d"])  # calls release the GIL
         self._c10d_gil = ctypes.PyDLL(fakes["c10d"])  # calls hold it, as the _comm_ptr binding
@@ -111,7 +110,7 @@ class FakeProcessGroupNCCL:
         self.watchdog_freed = threading.Event()
         self._comm_ptr_read = threading.Event()
         self._free_right_after_comm_ptr = False
-        self._watchdog: Optional[threading.Thread] = None
+        self._watchdog: threading.Thread | None = None
         self.p2p: list[int] = []  # point-to-point communicators (devNCCLCommMap_'s send/recv keys)
         self._mutex_taken_after_check = False
 

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 import pytest
 
@@ -46,13 +45,13 @@ VARIANTS = {
 
 @dataclass(frozen=True)
 class Fakes:
-    paths: Dict[str, str]
+    paths: dict[str, str]
 
     def __getitem__(self, name: str) -> str:
         return self.paths[name]
 
 
-_built: Optional[Fakes] = None
+_built: Fakes | None = None
 
 
 def skip_where_torch_loaded_nccl() -> None:
@@ -134,7 +133,7 @@ def counter(path: str, symbol: str) -> int:
     return int(fn())
 
 
-def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (a process without any libnccl
     loaded yet); the child is reaped by subprocess.run even on timeout."""
     full_env = dict(os.environ)

@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import warnings
-from typing import Optional
 
 import torch
 
@@ -128,7 +127,7 @@ seen["initialize_is_initialize"] = isinstance(initialize, inprocess.initialize.I
     barrier_timeout=datetime.timedelta(seconds=60),
     completion_timeout=datetime.timedelta(seconds=60),
 )
-def train(call_wrapper: Optional[inprocess.CallWrapper] = None):
+def train(call_wrapper: inprocess.CallWrapper | None = None):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     seen["iterations"].append([call_wrapper.iteration, rank, world_size])
     # The application's own store (MASTER_PORT + 1), hosted by whichever rank is 0; a prefix per iteration.

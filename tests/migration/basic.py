@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import pathlib
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ seen = {"iterations": [], "resumed_at": []}
     barrier_timeout=datetime.timedelta(seconds=60),
     completion_timeout=datetime.timedelta(seconds=60),
 )
-def main(call_wrapper: Optional[inprocess.CallWrapper] = None):
+def main(call_wrapper: inprocess.CallWrapper | None = None):
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     seen["iterations"].append(call_wrapper.iteration)

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import pathlib
-from typing import Optional
 
 import torch
 
@@ -80,7 +79,7 @@ class Terminate(inprocess.terminate.Terminate):
     barrier_timeout=datetime.timedelta(seconds=60),
     completion_timeout=datetime.timedelta(seconds=60),
 )
-def train(call_wrapper: Optional[inprocess.CallWrapper] = None):
+def train(call_wrapper: inprocess.CallWrapper | None = None):
     rank = int(os.environ["RANK"])
     calls.append(["function", call_wrapper.iteration])
     torch.distributed.init_process_group(

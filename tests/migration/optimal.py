@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import pathlib
-from typing import Optional
 
 import torch
 
@@ -47,7 +46,7 @@ class Checkpoint:
     barrier_timeout=datetime.timedelta(seconds=60),
     completion_timeout=datetime.timedelta(seconds=60),
 )
-def train(base_store, model, opt, checkpoint, call_wrapper: Optional[inprocess.CallWrapper] = None):
+def train(base_store, model, opt, checkpoint, call_wrapper: inprocess.CallWrapper | None = None):
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     checkpoint.iterations.append(call_wrapper.iteration)

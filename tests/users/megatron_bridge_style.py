@@ -27,8 +27,9 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class InProcessRestartConfig:
     """Bridge's configuration of the in-process restart (its fields and defaults)."""
 
     enabled: bool = False
-    max_iterations: Optional[int] = None
+    max_iterations: int | None = None
     monitor_thread_interval: float = 1.0
     monitor_process_interval: float = 1.0
     progress_watchdog_interval: float = 1.0
@@ -63,10 +64,10 @@ class InProcessRestartConfig:
     last_call_wait: float = 1.0
     termination_grace_time: float = 1.0
     granularity: Literal["node", "rank"] = "node"
-    active_world_size: Optional[int] = None
+    active_world_size: int | None = None
     empty_cuda_cache: bool = True
-    max_rank_faults: Optional[int] = None
-    monitor_process_logdir: Optional[str] = None
+    max_rank_faults: int | None = None
+    monitor_process_logdir: str | None = None
 
 
 @dataclasses.dataclass
@@ -81,19 +82,19 @@ class TrainingConfig:
 @dataclasses.dataclass
 class ConfigContainer:
     train: TrainingConfig
-    inprocess_restart: Optional[InProcessRestartConfig] = None
+    inprocess_restart: InProcessRestartConfig | None = None
 
 
 class GlobalState:
     """The run's state, created once and kept across restarts; reset by ``destroy_state``."""
 
     def __init__(self) -> None:
-        self.cfg: Optional[ConfigContainer] = None
-        self._async_calls_queue: Optional[toy_megatron.AsyncCallsQueue] = None
+        self.cfg: ConfigContainer | None = None
+        self._async_calls_queue: toy_megatron.AsyncCallsQueue | None = None
         self.train_step = 0
 
     @property
-    def async_calls_queue(self) -> Optional[toy_megatron.AsyncCallsQueue]:
+    def async_calls_queue(self) -> toy_megatron.AsyncCallsQueue | None:
         return self._async_calls_queue
 
     def ensure_async_calls_queue(self) -> toy_megatron.AsyncCallsQueue:
@@ -189,7 +190,7 @@ def inprocess_restart(train_fn: Callable[..., Any], config: InProcessRestartConf
 
     # The Wrapper injects the CallWrapper into a parameter annotated CallWrapper (or Optional of it):
     # this adapter has one, and hands it to the training function by keyword.
-    def _adapter(*args: Any, inprocess_call_wrapper: Optional[inprocess.CallWrapper] = None, **kwargs: Any) -> Any:
+    def _adapter(*args: Any, inprocess_call_wrapper: inprocess.CallWrapper | None = None, **kwargs: Any) -> Any:
         return train_fn(*args, inprocess_call_wrapper=inprocess_call_wrapper, **kwargs)
 
     return inprocess.Wrapper(
@@ -221,7 +222,7 @@ def inprocess_restart(train_fn: Callable[..., Any], config: InProcessRestartConf
 
 def maybe_wrap_for_inprocess_restart(
     train_fn: Callable[..., Any], config: InProcessRestartConfig, state: GlobalState
-) -> tuple[Callable[..., Any], Optional[dist.Store]]:
+) -> tuple[Callable[..., Any], dist.Store | None]:
     if not config.enabled:
         return train_fn, None
     store = dist.TCPStore(
@@ -240,7 +241,7 @@ def forward_step_func(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     toy_megatron.train_step(model, optimizer, step, dist.get_rank(), dist.get_world_size())
 
 
-def pretrain(config: ConfigContainer, forward_step: Callable[..., None], callbacks: Optional[list[Any]] = None) -> None:
+def pretrain(config: ConfigContainer, forward_step: Callable[..., None], callbacks: list[Any] | None = None) -> None:
     state = GlobalState()
     state.cfg = config
     if config.inprocess_restart and config.inprocess_restart.enabled:
@@ -255,9 +256,9 @@ def pretrain(config: ConfigContainer, forward_step: Callable[..., None], callbac
 def _pretrain(
     state: GlobalState,
     forward_step_func: Callable[..., None],
-    callback_manager: Optional[list[Any]] = None,
-    store: Optional[dist.Store] = None,
-    inprocess_call_wrapper: Optional[CallWrapper] = None,
+    callback_manager: list[Any] | None = None,
+    store: dist.Store | None = None,
+    inprocess_call_wrapper: CallWrapper | None = None,
 ) -> None:
     restart_attempt = 0
     if inprocess_call_wrapper is not None:

@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import toy_megatron
@@ -44,7 +43,7 @@ def say(text: str) -> None:
     print(f"[task {INITIAL_RANK}] {text}", flush=True)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     group = parser.add_argument_group(title="In-process restart")  # Megatron-LM's options and defaults
     group.add_argument("--inprocess-restart", action="store_true")
@@ -175,7 +174,7 @@ def maybe_wrap_for_inprocess_restart(pretrain, args):  # type: ignore[no-untyped
     return pretrain, store
 
 
-def pretrain(args, store=None, inprocess_call_wrapper: Optional[inprocess.CallWrapper] = None):  # type: ignore[no-untyped-def]
+def pretrain(args, store=None, inprocess_call_wrapper: inprocess.CallWrapper | None = None):  # type: ignore[no-untyped-def]
     iteration = 0
     if inprocess_call_wrapper is not None:
         iteration = inprocess_call_wrapper.iteration

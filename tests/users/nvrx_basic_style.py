@@ -24,14 +24,13 @@ import logging
 import os
 import pathlib
 import time
-from typing import Optional
 
 os.environ["TORCH_CPP_LOG_LEVEL"] = "error"
 import torch
 
 import inprocess  # an NVRx user writes: import nvidia_resiliency_ext.inprocess as inprocess
 
-raise_timestamp: Optional[float] = None
+raise_timestamp: float | None = None
 seen: dict = {"iterations": [], "resumed_at": [], "restart_latency_s": []}
 
 
@@ -54,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     store_kwargs={"port": int(os.getenv("MASTER_PORT", 29500)) + 1},
     health_check=inprocess.health_check.CudaHealthCheck(),
 )
-def main(call_wrapper: Optional[inprocess.CallWrapper] = None) -> dict:
+def main(call_wrapper: inprocess.CallWrapper | None = None) -> dict:
     global raise_timestamp
     if raise_timestamp is not None:
         seen["restart_latency_s"].append(time.perf_counter() - raise_timestamp)

@@ -27,14 +27,13 @@ import logging
 import os
 import pathlib
 import time
-from typing import Optional
 
 os.environ["TORCH_CPP_LOG_LEVEL"] = "error"
 import torch
 
 import inprocess  # an NVRx user writes: import nvidia_resiliency_ext.inprocess as inprocess
 
-raise_timestamp: Optional[float] = None
+raise_timestamp: float | None = None
 seen: dict = {"iterations": [], "resumed_at": [], "restart_latency_s": []}
 
 
@@ -54,7 +53,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def train(base_store, model, opt, backend, device, timeout, args,
-          call_wrapper: Optional[inprocess.CallWrapper] = None) -> dict:
+          call_wrapper: inprocess.CallWrapper | None = None) -> dict:
     global raise_timestamp
     if raise_timestamp is not None:
         seen["restart_latency_s"].append(time.perf_counter() - raise_timestamp)

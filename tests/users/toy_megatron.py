@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,7 @@ class AsyncCallsQueue:
     """A persistent worker that runs checkpoint saves in the background, one at a time."""
 
     def __init__(self) -> None:
-        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[Any]] = []
 
     def schedule(self, fn: Any, *args: Any) -> None:

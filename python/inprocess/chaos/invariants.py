@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..timeline.reading import Event, Segment
 
@@ -76,9 +77,9 @@ class Process:
     life: int = 0
     decisions: dict[int, Event] = dataclasses.field(default_factory=dict)  # by barrier
     starts: dict[int, Event] = dataclasses.field(default_factory=dict)  # iteration_start, by iteration
-    exit: Optional[Event] = None
-    call_start: Optional[Event] = None
-    horizon_s: Optional[float] = None  # the events were read at this wall time, while the job ran (None: after)
+    exit: Event | None = None
+    call_start: Event | None = None
+    horizon_s: float | None = None  # the events were read at this wall time, while the job ran (None: after)
 
     def settled(self, event: Event, within_s: float) -> bool:
         """Whether what ``event`` asks for had ``within_s`` to happen before the events were read."""
@@ -101,7 +102,7 @@ class Process:
         return event.t_ns / 1e9 if self.segment.host is not None else event.wall
 
     @classmethod
-    def of(cls, segment: Segment) -> "Process":
+    def of(cls, segment: Segment) -> Process:
         p = cls(segment)
         for e in segment.events:
             if e.kind == "decision" and e.iteration is not None:
@@ -191,7 +192,7 @@ def check_one_rank_each(processes: list[Process]) -> Finding:
     return finding
 
 
-def _admission(p: Process) -> Optional[tuple[int, Event]]:
+def _admission(p: Process) -> tuple[int, Event] | None:
     """(barrier, decision) that admitted a joining process: its first decision, if it lists its seat."""
     if not p.decisions:
         return None
@@ -270,7 +271,7 @@ def check_counted_at_next(processes: list[Process]) -> Finding:
     return finding
 
 
-def resume_bound_s(call_start: Optional[Event], backoff_s: float = 0.0) -> Optional[float]:
+def resume_bound_s(call_start: Event | None, backoff_s: float = 0.0) -> float | None:
     """How long after a restart began a healthy rank may start the next iteration, from the call's
     configuration (``call_start``'s ``timeouts``): the slowest detection (a hang: hard timeout and
     grace; a lost rank: the heartbeat timeout), then the barrier's timeout, the storm's back-off, slack."""
@@ -283,7 +284,7 @@ def resume_bound_s(call_start: Optional[Event], backoff_s: float = 0.0) -> Optio
     return detection + t.get("barrier_timeout", 0) + backoff_s + RESUME_SLACK_S
 
 
-def _restart_began_s(processes: list[Process], call: int, iteration: int) -> Optional[float]:
+def _restart_began_s(processes: list[Process], call: int, iteration: int) -> float | None:
     """The earliest sign of the restart after ``iteration`` on any process: a fault or a detection."""
     times = [p.time_s(e) for p in processes if p.call == call for e in p.segment.events
              if e.kind in ("fault", "restart_detected") and e.iteration == iteration]
@@ -296,7 +297,7 @@ def check_bounded_resume(processes: list[Process]) -> Finding:
         for barrier, e in sorted(p.decisions.items()):
             if barrier == 0 or e.fields.get("ends_job") or p.seat in (e.fields.get("terminated") or []):
                 continue
-            bound = resume_bound_s(p.call_start, float((e.fields.get("backoff_s") or 0)))
+            bound = resume_bound_s(p.call_start, float(e.fields.get("backoff_s") or 0))
             if not p.settled(e, bound if bound is not None else 60.0):
                 continue
             finding.checked += 1
@@ -351,7 +352,7 @@ def check_same_final_iteration(processes: list[Process]) -> Finding:
 _ITERATION_KEY = re.compile(r"^inprocess/(?:[^/]+/)?(\d+)/(\d+)/")
 
 
-def check_nothing_left(observations: Optional[Observations]) -> Finding:
+def check_nothing_left(observations: Observations | None) -> Finding:
     finding = Finding("nothing_left")
     if observations is None:
         return finding
@@ -384,8 +385,8 @@ CHECKS: list[Callable[[list[Process]], Finding]] = [
 ]
 
 
-def check(segments: list[Segment], observations: Optional[Observations] = None,
-          horizon_s: Optional[float] = None) -> list[Finding]:
+def check(segments: list[Segment], observations: Observations | None = None,
+          horizon_s: float | None = None) -> list[Finding]:
     """Every invariant over the job's segments (and what was observed outside them). ``horizon_s``: the
     wall time at which the events were read while the job ran: what was not due yet is not checked."""
     processes = [Process.of(s) for s in segments]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..launch import EVENTS_VAR, EventsReader, LocalJob, RespawnPolicy, Supervisor, elastic_env, summarize
 
@@ -28,7 +28,7 @@ class ConstantRespawn(RespawnPolicy):
         return self.backoff_s
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m inprocess.chaos.launcher")
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, default=None)

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 from ..timeline.reading import load
 from . import invariants, report, stats
@@ -31,7 +30,7 @@ from .schedule import Schedule, draw
 CHECK_EVERY_S = 10.0
 
 
-def _of_run(pid: str, marker: bytes) -> Optional[str]:
+def _of_run(pid: str, marker: bytes) -> str | None:
     """The comm of a live process whose environment holds ``marker``; None for any other (or a zombie).
     Every process of a run (ranks in sessions of their own, monitors, node agents, the store host
     forked from rank 0) inherits the run's INPROCESS_EVENTS_DIR."""
@@ -64,7 +63,7 @@ class Run:
         self.out = out
         self.events = out / "events"
         self.timeout_s = timeout_s
-        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.stops_done = 0
         self.partial_checks = 0
         self.partial_violations: list[str] = []

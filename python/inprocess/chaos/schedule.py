@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import Any, Optional
+from typing import Any
 
 # Kinds that end the process by a signal or status 75: the launcher respawns it.
 ENDING = ("sigkill", "sigterm", "sigint", "abort", "segfault", "os_exit", "gil_hang", "sigstop")
@@ -56,7 +56,7 @@ class Fault:
     iteration: int
     kind: str  # one of ALL_KINDS
     where: str  # "step", "after", a phase name, "store" or "joiner"
-    rank: Optional[int]
+    rank: int | None
     step: int = 0
     delay_s: float = 0.0
 
@@ -119,13 +119,13 @@ class Schedule:
                            "joiners": self.joiners, "store_stops": self.store_stops})
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str) -> Schedule:
         d: dict[str, Any] = json.loads(text)
         return cls(d["seed"], d["ranks"], d["spares"], d["nodes"], d["steps"], [Fault(**f) for f in d["faults"]],
                    dict(d["joiners"]), [(float(at), float(seconds)) for at, seconds in d["store_stops"]])
 
 
-def _weights(kinds: Optional[set[str]]) -> list[tuple[str, float]]:
+def _weights(kinds: set[str] | None) -> list[tuple[str, float]]:
     """What each fault of the schedule may be, and how often (a process-ending one half the time)."""
     table = [("exception", 3.0), ("hang_step", 1.0), ("hang_hook", 0.6), ("store_stop", 0.5),
              ("die_waiting", 0.5), ("die_admitted", 0.5)] + [(k, 0.6 if k in SLOW else 1.2) for k in ENDING]
@@ -133,7 +133,7 @@ def _weights(kinds: Optional[set[str]]) -> list[tuple[str, float]]:
 
 
 def draw(seed: int, faults: int, ranks: int, spares: int, nodes: int = 1, steps: int = 40,
-         kinds: Optional[set[str]] = None) -> Schedule:
+         kinds: set[str] | None = None) -> Schedule:
     """The schedule of ``seed``: ``faults`` faults over as many iterations, for ``ranks`` active ranks and
     ``spares`` spares on ``nodes`` nodes, ``steps`` steps per iteration."""
     rng = random.Random(seed)

@@ -24,7 +24,8 @@ import dataclasses
 import datetime
 import random
 import threading
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 Value = Any
 
@@ -43,11 +44,11 @@ class _Call:
     what: str  # the call and its key, for the trace
     run: Callable[[], Any]  # the call's effect and answer (under the scheduler's lock)
     ready: Callable[[], bool]  # whether it can proceed now
-    deadline: Optional[float]  # virtual time past which a wait times out
+    deadline: float | None  # virtual time past which a wait times out
     crashable: bool
     go: threading.Event = dataclasses.field(default_factory=threading.Event)
     outcome: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
 
 class Scheduler:
@@ -67,7 +68,7 @@ class Scheduler:
         self._running: set[str] = set()
         self._threads: dict[str, threading.Thread] = {}
         self.errors: dict[str, BaseException] = {}
-        self.trace: Optional[list[str]] = None  # when a list: one line per call, in the order they ran
+        self.trace: list[str] | None = None  # when a list: one line per call, in the order they ran
         self.on_crash: Callable[[str], None] = lambda name: None
         self.may_crash: Callable[[str], bool] = lambda name: False
 
@@ -96,7 +97,7 @@ class Scheduler:
         thread.start()
 
     def call(self, actor: str, what: str, run: Callable[[], Any], ready: Callable[[], bool] = lambda: True,
-             deadline: Optional[float] = None) -> Any:
+             deadline: float | None = None) -> Any:
         """From a process's thread: one store call (``what``), when the scheduler picks it."""
         c = _Call(actor, what, run, ready, deadline, crashable=self.may_crash(actor))
         with self._lock:

@@ -32,7 +32,7 @@ import json
 import logging
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from ..compose import Compose
 from ..control import store_ops
@@ -118,7 +118,7 @@ class Job:
         """Rank ``r`` died: its monitor counts it out, as inprocess.processes.monitor does."""
         p = self.protocol(f"m{r}")
 
-        def expected_at(barrier: int) -> Optional[int]:
+        def expected_at(barrier: int) -> int | None:
             if barrier == 0:
                 return self.n
             if barrier >= self.barriers:
@@ -136,7 +136,7 @@ class Job:
 
 
 def run_schedule(seed: int, ranks: int = 4, barriers: int = 3, crash_p: float = 0.05,
-                 max_crashes: Optional[int] = None, trace: Optional[list[str]] = None) -> Outcome:
+                 max_crashes: int | None = None, trace: list[str] | None = None) -> Outcome:
     """One seeded schedule; its outcome lists what it found wrong (``trace``: a list to fill with its calls)."""
     outcome = Outcome(seed)
     sched = Scheduler(seed, crash_p, ranks - 1 if max_crashes is None else max_crashes)

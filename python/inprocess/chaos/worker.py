@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class ChaosFiller(RuntimeError):
     """The iteration's scheduled fault did not fire: the iteration restarts all the same."""
 
 
-def observe(call_wrapper: inprocess.CallWrapper, iteration: int, active_rank: Optional[int]) -> None:
+def observe(call_wrapper: inprocess.CallWrapper, iteration: int, active_rank: int | None) -> None:
     record: dict[str, Any] = {"iteration": iteration, "fds": len(os.listdir("/proc/self/fd"))}
     if active_rank == 0:
         try:

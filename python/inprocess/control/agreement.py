@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from .membership import Membership
 from .records import Decision, loads_strict
@@ -54,7 +54,7 @@ def digest(settings: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def difference(first: dict[str, str], mine: dict[str, str], first_rank: int, my_rank: int) -> Optional[str]:
+def difference(first: dict[str, str], mine: dict[str, str], first_rank: int, my_rank: int) -> str | None:
     """The first setting on which two ranks differ, named with both values and both ranks; None if none."""
     for name in sorted(set(first) | set(mine)):
         theirs, ours = first.get(name), mine.get(name)
@@ -90,7 +90,7 @@ def agree_at_barrier_zero(p: Any, initial_rank: int, settings: dict[str, str]) -
     raise SettingsMismatch(message)
 
 
-def _first_settings(p: Any) -> Optional[dict[str, Any]]:
+def _first_settings(p: Any) -> dict[str, Any] | None:
     try:
         p.counted.wait_key(p.keys.settings_first(), FIRST_WAIT_S, "the first rank's settings")
         value = loads_strict(p.counted.get(p.keys.settings_first()))
@@ -103,7 +103,7 @@ def _first_settings(p: Any) -> Optional[dict[str, Any]]:
     return value
 
 
-def _world_size(first: Optional[dict[str, Any]], settings: dict[str, str]) -> int:
+def _world_size(first: dict[str, Any] | None, settings: dict[str, str]) -> int:
     """The initial world size of the ranks that agree with the first (those that read the abort)."""
     for source in (first["settings"] if first is not None else {}, settings):
         try:

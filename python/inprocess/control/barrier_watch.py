@@ -24,7 +24,8 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("inprocess")
 
@@ -36,7 +37,7 @@ _BARRIER = re.compile(r"barrier (\d+)( \(leader\))?$")
 class _Wait:
     barrier: int
     leads: bool
-    deadline: Optional[float]  # time.monotonic()
+    deadline: float | None  # time.monotonic()
     due: float  # the next report
 
 
@@ -48,21 +49,21 @@ class BarrierWatch:
     """
 
     def __init__(self, initial_rank: int, expected: Callable[[int], int],
-                 reader: Optional[Callable[[], Any]] = None, every_s: float = EVERY_S):
+                 reader: Callable[[], Any] | None = None, every_s: float = EVERY_S):
         self.initial_rank = initial_rank
         self.expected = expected
         self.every_s = every_s
         self._reader = reader
-        self._read: Optional[Any] = None  # the leader's protocol over its own connection, once opened
+        self._read: Any | None = None  # the leader's protocol over its own connection, once opened
         self._cond = threading.Condition()
-        self._wait: Optional[_Wait] = None
+        self._wait: _Wait | None = None
         self._closed = False
-        self._thread: Optional[threading.Thread] = None
-        self._installed_on: Optional[Any] = None  # the CountingStore it watches (on())
+        self._thread: threading.Thread | None = None
+        self._installed_on: Any | None = None  # the CountingStore it watches (on())
         self.reports = 0
 
     @classmethod
-    def on(cls, protocol: Any, initial_rank: int, expected: Callable[[int], int]) -> "BarrierWatch":
+    def on(cls, protocol: Any, initial_rank: int, expected: Callable[[int], int]) -> BarrierWatch:
         """A watch of ``protocol``'s waits, installed on its connection (``CountingStore.watch``)."""
 
         def reader() -> Any:
@@ -79,7 +80,7 @@ class BarrierWatch:
         watch._installed_on = protocol.counted
         return watch
 
-    def begin(self, what: str, timeout: Optional[float]) -> None:
+    def begin(self, what: str, timeout: float | None) -> None:
         match = _BARRIER.match(what)
         if match is None:
             return

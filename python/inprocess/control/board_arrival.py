@@ -12,7 +12,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from ..exception import InternalError
 from .leadership import RestartStore, decide_barrier
@@ -29,13 +29,13 @@ class BoardArrivals(RestartStore, Protocol):
     """What arriving through the board needs of :class:`inprocess.control.protocol.RestartProtocol`
     (which imports this module: it is named here by what it offers)."""
 
-    link: Optional[NodeBoardLink]
+    link: NodeBoardLink | None
     life: int
 
     def take_seat(self, iteration: int, initial_rank: int, *, terminated: bool = ...) -> bool: ...
-    def barrier(self, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = ...,
+    def barrier(self, iteration: int, initial_rank: int, expected: int, *, decide: DecideFn | None = ...,
                 timeout: float, seat_taken: bool = ...) -> Any: ...
-    def posted_decision(self, posted: Optional[tuple[int, Optional[bytes]]], iteration: int) -> Optional[Decision]: ...
+    def posted_decision(self, posted: tuple[int, bytes | None] | None, iteration: int) -> Decision | None: ...
 
 
 def _link(p: BoardArrivals) -> NodeBoardLink:
@@ -63,7 +63,7 @@ def replaced(link: NodeBoardLink, iteration: int) -> bool:
 
 
 def await_outcome(
-    p: BoardArrivals, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = None,
+    p: BoardArrivals, iteration: int, initial_rank: int, expected: int, *, decide: DecideFn | None = None,
     timeout: float,
 ) -> Decision:
     """Second half: the board names this rank the leader, or holds the
@@ -72,7 +72,7 @@ def await_outcome(
     link = _link(p)
     deadline = Deadline(timeout)
 
-    def attempt(seconds: float) -> Optional[int]:
+    def attempt(seconds: float) -> int | None:
         outcome = link.wait_outcome(iteration, seconds)
         if outcome == BOARD_TIMEOUT and link.posted() < iteration:
             # The process this one replaced (counted out, late) posted an older arrival over this
@@ -100,7 +100,7 @@ def await_outcome(
 
 
 def _arrive_directly(
-    p: BoardArrivals, iteration: int, initial_rank: int, expected: int, decide: Optional[DecideFn],
+    p: BoardArrivals, iteration: int, initial_rank: int, expected: int, decide: DecideFn | None,
     deadline: Deadline,
 ) -> Decision:
     """Count this rank at the store itself: its seat first (the agent may have

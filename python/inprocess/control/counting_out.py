@@ -22,7 +22,8 @@ at once, it is counted out once. This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..exception import InternalError
 from . import seats
@@ -43,7 +44,7 @@ class CountingOutStore(RestartStore, Protocol):
     counted: CountingStore
     seat_table: SeatTable
 
-    def read_seat(self, initial_rank: int) -> Optional[str]: ...
+    def read_seat(self, initial_rank: int) -> str | None: ...
     def record_fault(self, record: FaultRecord) -> None: ...
     def request_restart(self, iteration: int) -> bool: ...
     def leave(self, iteration: int, world_size: int) -> None: ...
@@ -53,14 +54,14 @@ class CountingOutStore(RestartStore, Protocol):
 
 
 def members_at(
-    p: CountingOutStore, initial_rank: int, initial_world_size: Optional[int], timeout: float,
-) -> Callable[[int], Optional[int]]:
+    p: CountingOutStore, initial_rank: int, initial_world_size: int | None, timeout: float,
+) -> Callable[[int], int | None]:
     """``expected_at`` for :func:`count_out`, as the rank itself and its monitor count it: barrier 0
     counts ``initial_world_size`` ranks (None: not known to the caller, an error there); barrier b
     the world of barrier b-1's decision, or None when that decision takes the rank out of the job
     (:func:`inprocess.control.recovery_plan.leaves`)."""
 
-    def expected_at(barrier: int) -> Optional[int]:
+    def expected_at(barrier: int) -> int | None:
         if barrier == 0:
             if initial_world_size is None:
                 raise RuntimeError(f"rank {initial_rank} left before the initial barrier, whose size is not known "
@@ -76,13 +77,13 @@ def count_out(
     p: CountingOutStore,
     initial_rank: int,
     fault: Callable[[int], FaultRecord],
-    expected_at: Callable[[int], Optional[int]],
+    expected_at: Callable[[int], int | None],
     *,
     timeout: float,
     who: str,
     in_barrier: bool = True,
-    life: Optional[int] = None,
-) -> Optional[int]:
+    life: int | None = None,
+) -> int | None:
     """Count ``initial_rank`` out of the job on its behalf (module docstring: where).
 
     ``who`` names the caller uniquely among everybody who may count this rank
@@ -135,9 +136,9 @@ def _claim_seat(p: CountingOutStore, initial_rank: int, seat: str, barrier: int,
 
 
 def _count_out_at(
-    p: CountingOutStore, initial_rank: int, barrier: int, expected: Optional[int],
+    p: CountingOutStore, initial_rank: int, barrier: int, expected: int | None,
     fault: Callable[[int], FaultRecord], timeout: float,
-) -> Optional[int]:
+) -> int | None:
     """The rank, whose seat this caller holds, arrives terminated at ``barrier``
     (which counts ``expected`` ranks; None: it is no member there)."""
     if expected is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from .keys import call_prefix
 
@@ -37,14 +37,14 @@ SLURM_VARS = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT")
 INCARNATION_VARS = TORCHRUN_VARS + SLURM_VARS
 
 
-def _part(launcher: str, names: tuple[str, ...], env: Mapping[str, str]) -> Optional[str]:
+def _part(launcher: str, names: tuple[str, ...], env: Mapping[str, str]) -> str | None:
     if not any(name in env for name in names):
         return None
     # quote: a run id is the user's text (torchrun's --rdzv-id); a "/" in it must not add a key level.
     return launcher + "." + ".".join(urllib.parse.quote(env.get(name, ""), safe="") for name in names)
 
 
-def job_incarnation(env: Optional[Mapping[str, str]] = None) -> str:
+def job_incarnation(env: Mapping[str, str] | None = None) -> str:
     """This incarnation of the job, e.g. ``torchrun.<run id>.<restart count>`` or
     ``slurm.<job>.<restart count>`` (both, joined by ``+``, under torchrun
     inside SLURM); ``""`` when no launcher set any of :data:`INCARNATION_VARS`."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
-from typing import Optional
 
 from ..exception import InternalError
 from .records import MAX_MESSAGE, loads_strict
@@ -31,13 +30,13 @@ class Announcement:
     host: str
     pid: int
     config: dict[str, str]  # what must equal the job's: see :func:`config_difference`
-    keys: Optional[list[list[str]]] = None  # its topology keys, for assignments that group ranks
+    keys: list[list[str]] | None = None  # its topology keys, for assignments that group ranks
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, line: str) -> "Announcement":
+    def from_json(cls, line: str) -> Announcement:
         d = loads_strict(line)
         if not isinstance(d, dict):
             raise ValueError("expected a JSON object")
@@ -84,7 +83,7 @@ class Outcome:
         return f"{self.kind}/{self.by}:{self.why[:MAX_MESSAGE]}"
 
     @classmethod
-    def parse(cls, value: str) -> Optional["Outcome"]:
+    def parse(cls, value: str) -> Outcome | None:
         """None for a pending joiner (:data:`PENDING`)."""
         if value == PENDING:
             return None
@@ -102,7 +101,7 @@ class Outcome:
         return cls(kind, barrier, seat, life, by=by)
 
 
-def config_difference(job: dict[str, str], joiner: dict[str, str]) -> Optional[str]:
+def config_difference(job: dict[str, str], joiner: dict[str, str]) -> str | None:
     """What makes a joiner unfit for the job, named; None when their configurations agree."""
     for name in sorted(set(job) | set(joiner)):
         mine, theirs = job.get(name), joiner.get(name)
@@ -137,7 +136,7 @@ class ResolvedMark:
         return f"{self.settled}:{self.looked}:{self.barrier}"
 
     @classmethod
-    def parse(cls, value: str) -> "ResolvedMark":
+    def parse(cls, value: str) -> ResolvedMark:
         try:
             settled, looked, barrier = (int(v) for v in value.split(":"))
         except ValueError:

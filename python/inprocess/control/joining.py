@@ -91,7 +91,8 @@ import contextlib
 import logging
 import os
 import secrets
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from ..exception import InternalError, TimeoutError
 from . import seats
@@ -113,6 +114,9 @@ from .records import HOST
 from .seat_table import SeatTable
 from .store_ops import CountingStore
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 log = logging.getLogger("inprocess")
 
 # Keys per check, multi_get and multi_set. torch 2.13's libuv server takes time that grows faster
@@ -125,7 +129,7 @@ JOIN_ENV = "INPROCESS_JOIN"
 
 
 
-def join_requested(env: Optional[dict[str, str]] = None) -> bool:
+def join_requested(env: dict[str, str] | None = None) -> bool:
     """Whether this process was started to join a running job (``INPROCESS_JOIN=1``)."""
     value = (os.environ if env is None else env).get(JOIN_ENV, "")
     if value not in ("", "0", "1"):
@@ -174,7 +178,7 @@ class JoinKeys:
     def name_running_incarnation(self) -> None:
         self.counted.set(running_key(self.call), self.incarnation)
 
-    def running_incarnation(self) -> Optional[str]:
+    def running_incarnation(self) -> str | None:
         """The incarnation of the job that runs (or ran: "ended:<incarnation>") this call, if any."""
         raw = self.counted.peek(running_key(self.call))
         return None if raw is None else raw.decode()
@@ -249,13 +253,13 @@ class JoinKeys:
             raise InternalError(f"joiner {token}: its record is still pending after a compare_set")
         return held
 
-    def read_outcome(self, token: str) -> Optional[Outcome]:
+    def read_outcome(self, token: str) -> Outcome | None:
         """The joiner's outcome, None while it is pending (or not announced)."""
         raw = self.counted.peek(self.joiner_key(token))
         return None if raw is None else Outcome.parse(raw.decode())
 
     @contextlib.contextmanager
-    def quiet_waits(self) -> Iterator["JoinKeys"]:
+    def quiet_waits(self) -> Iterator[JoinKeys]:
         """These keys on a connection of their own that is torch-free where the store is a
         TCPStore server's client: torch's client logs two warning lines for every wait of its
         that times out, and a waiting joiner's waits time out every second (it stamps its
@@ -269,7 +273,7 @@ class JoinKeys:
         finally:
             pipe.close()
 
-    def wait_outcome(self, token: str, seconds: float) -> Optional[Outcome]:
+    def wait_outcome(self, token: str, seconds: float) -> Outcome | None:
         """The joiner's outcome once somebody told it; None when ``seconds`` passed first.
 
         One blocking ``get`` of the joiner's ``told`` key. When it runs out,
@@ -293,7 +297,7 @@ class JoinKeys:
             return "", ResolvedMark()
         return raw.decode(), ResolvedMark.parse(raw.decode())
 
-    def pending(self, barrier: Optional[int] = None) -> tuple[int, list[tuple[int, Announcement]], str, ResolvedMark]:
+    def pending(self, barrier: int | None = None) -> tuple[int, list[tuple[int, Announcement]], str, ResolvedMark]:
         """(the number of lines, [(line index, announcement)] a leader of ``barrier`` looks at,
         the mark's value as read, the mark). ``barrier`` None: every line not resolved for good."""
         raw = (self.counted.peek(self.lines_key) or b"").decode()
@@ -319,11 +323,11 @@ class JoinKeys:
         if mark.encode() != read:
             self.counted.compare_set(self.resolved_key, read, mark.encode())
 
-    def read_records(self, keys: list[str]) -> list[Optional[str]]:
+    def read_records(self, keys: list[str]) -> list[str | None]:
         """The values of ``keys`` (None: missing): per :data:`KEYS_PER_REQUEST` keys, one ``check``
         and one ``multi_get`` when every one exists (the protocol's case); else one read each (a
         ``multi_get`` would wait for the missing ones)."""
-        out: list[Optional[str]] = []
+        out: list[str | None] = []
         for start in range(0, len(keys), KEYS_PER_REQUEST):
             chunk = keys[start:start + KEYS_PER_REQUEST]
             if self.counted.check(chunk):
@@ -332,7 +336,7 @@ class JoinKeys:
                 out.extend(None if v is None else v.decode() for v in (self.counted.peek(k) for k in chunk))
         return out
 
-    def resolve_many(self, resolutions: list[tuple[str, Outcome]], pipe: "Pipe") -> list[Outcome]:
+    def resolve_many(self, resolutions: list[tuple[str, Outcome]], pipe: Pipe) -> list[Outcome]:
         """Write each (token, outcome) where the joiner is still pending, all at once (first
         writer wins against a withdrawal, per joiner); tell each joiner resolved here, and count
         them, in one call each. Returns the outcomes that hold."""
@@ -390,7 +394,7 @@ class Pipe:
         self.client: Any = None
         self._tried = False
 
-    def __enter__(self) -> "Pipe":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -438,7 +442,7 @@ def admit(
     # One read of every record and of the keys of every free seat asked for.
     values = keys.read_records([keys.joiner_key(a.token) for _, a in pending] + seat_table.keys_of(asked))
     seat_values = seat_table.learn(asked, values[len(pending):])
-    outcomes: list[Optional[Outcome]] = []
+    outcomes: list[Outcome | None] = []
     for (index, a), value in zip(pending, values[:len(pending)], strict=True):
         if value is None:  # every joiner writes its record before its line
             log.warning("joiners: line %d (joiner %s) has no record: skipped", index, a.token)
@@ -491,7 +495,7 @@ def admit(
 
 
 def _move_seats(
-    pipe: Pipe, barrier: int, lives: dict[int, int], seat_table: SeatTable, seat_values: dict[int, Optional[str]],
+    pipe: Pipe, barrier: int, lives: dict[int, int], seat_table: SeatTable, seat_values: dict[int, str | None],
 ) -> None:
     """The seats of the admitted joiners: each from its predecessor's "counted out" to ``b@life``.
 

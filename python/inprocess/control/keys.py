@@ -103,7 +103,7 @@ class CallKeys:
         self.prefix = prefix
 
     @classmethod
-    def of(cls, call: int, incarnation: str = "") -> "CallKeys":
+    def of(cls, call: int, incarnation: str = "") -> CallKeys:
         return cls(call_prefix(call, incarnation))
 
     def iteration(self, iteration: int, name: str) -> str:

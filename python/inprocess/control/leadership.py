@@ -61,7 +61,8 @@ This module imports no torch.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from ..exception import InternalError
 from .keys import CallKeys
@@ -81,7 +82,7 @@ def lost_mark(record: FaultRecord) -> str:
     return LOST_MARK.decode() + record.to_json()
 
 
-def parse_lost_mark(raw: bytes) -> Optional[FaultRecord]:
+def parse_lost_mark(raw: bytes) -> FaultRecord | None:
     """The fault record of a lost mark, or None when ``raw`` is no mark (then it is a decision)."""
     if not raw.startswith(LOST_MARK):
         return None
@@ -140,7 +141,7 @@ class Terms:
         """Claim the lead of term ``term`` (``who`` names the claimant uniquely): True if won."""
         return self.counted.compare_set(self.claim_key(barrier, term), "", who).decode() == who
 
-    def mark_lost(self, barrier: int, record: FaultRecord) -> Optional[int]:
+    def mark_lost(self, barrier: int, record: FaultRecord) -> int | None:
         """End the first term of ``barrier`` without an outcome with the mark of
         ``record`` (the lost rank's fault). Returns the term it marked, or None
         when the decision came out first (then nothing was marked)."""
@@ -157,7 +158,7 @@ class Terms:
     # -- reading ----------------------------------------------------------------
 
     def wait(
-        self, barrier: int, term: int, deadline: Deadline, *, cancelled: Optional[Callable[[], bool]] = None
+        self, barrier: int, term: int, deadline: Deadline, *, cancelled: Callable[[], bool] | None = None
     ) -> bytes:
         """The outcome of the term, once written (a decision or a lost mark)."""
         raw = self.counted.get_blocking(self.outcome_key(barrier, term), deadline.remaining(), f"barrier {barrier}",
@@ -237,8 +238,8 @@ class RestartStore(Protocol):
 
 
 def decide_barrier(
-    p: RestartStore, barrier: int, initial_rank: int, expected: int, decide: Optional[DecideFn],
-    deadline: Deadline, *, lead: bool = False, dead: Optional[int] = None,
+    p: RestartStore, barrier: int, initial_rank: int, expected: int, decide: DecideFn | None,
+    deadline: Deadline, *, lead: bool = False, dead: int | None = None,
 ) -> Decision:
     """Barrier ``barrier``'s decision, which counts ``expected`` ranks: this rank
     leads the first term if ``lead`` (``dead``: the terminated count when its own
@@ -266,9 +267,9 @@ def decide_barrier(
 
 
 def _lead(
-    p: RestartStore, barrier: int, initial_rank: int, expected: int, term: int, dead: Optional[int],
-    decide: Optional[DecideFn], deadline: Deadline,
-) -> Optional[Decision]:
+    p: RestartStore, barrier: int, initial_rank: int, expected: int, term: int, dead: int | None,
+    decide: DecideFn | None, deadline: Deadline,
+) -> Decision | None:
     """The leader's part in term ``term``: the decision, or None when the term
     was marked lost before it came out (the leader then follows the next)."""
     if decide is None:
@@ -303,7 +304,7 @@ def _wait_count(p: RestartStore, barrier: int, expected: int, term: int, deadlin
 
 
 def mark_lost(
-    p: RestartStore, barrier: int, record: FaultRecord, expected_at: Callable[[int], Optional[int]]
+    p: RestartStore, barrier: int, record: FaultRecord, expected_at: Callable[[int], int | None]
 ) -> bool:
     """End the current term of ``barrier`` with the lost mark of ``record``,
     for a rank whose seat the caller moved from "``barrier``" to

@@ -8,7 +8,7 @@ start encodes in O(k), not O(world size) (the scale issue's bound).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from ..exception import InternalError
 from ..state import Mode
@@ -37,11 +37,11 @@ class Membership:
         self.active_rank = active_rank
 
     @classmethod
-    def all_active(cls, world_size: int) -> "Membership":
+    def all_active(cls, world_size: int) -> Membership:
         ranks = list(range(world_size))
         return cls([ACTIVE] * world_size, ranks, list(ranks))
 
-    def copy(self) -> "Membership":
+    def copy(self) -> Membership:
         return Membership(list(self.mode), list(self.rank), list(self.active_rank))
 
     @property
@@ -74,7 +74,7 @@ class Membership:
             self.rank[r] = NONE
             self.active_rank[r] = NONE
 
-    def with_joined(self, joined: Iterable[tuple[int, int]]) -> "Membership":
+    def with_joined(self, joined: Iterable[tuple[int, int]]) -> Membership:
         """A copy in which the seats of ``joined`` ((seat, life) pairs of a decision,
         :mod:`inprocess.control.joining`) hold spares, each ranked where its seat stands:
         just before the first rank of the job (in rank order) whose initial rank is above
@@ -138,7 +138,7 @@ class Membership:
 
     # -- invariants ---------------------------------------------------------
 
-    def validate(self, previous: Optional["Membership"] = None, newly_terminated: Iterable[int] = ()) -> None:
+    def validate(self, previous: Membership | None = None, newly_terminated: Iterable[int] = ()) -> None:
         """Raise InternalError unless the table is a consistent assignment."""
         n = len(self.mode)
         seen_rank = [False] * n
@@ -169,7 +169,7 @@ class Membership:
             raise InternalError(f"active ranks are not 0..{active - 1}")
         self._validate_transition(previous, newly_terminated)
 
-    def _validate_transition(self, previous: Optional["Membership"], newly_terminated: Iterable[int]) -> None:
+    def _validate_transition(self, previous: Membership | None, newly_terminated: Iterable[int]) -> None:
         """Raise InternalError unless this table can follow ``previous`` with ``newly_terminated`` gone."""
         n = len(self.mode)
         if previous is not None:
@@ -207,7 +207,7 @@ class Membership:
         return runs
 
     @classmethod
-    def decode(cls, runs: object, initial_world_size: int) -> "Membership":
+    def decode(cls, runs: object, initial_world_size: int) -> Membership:
         """Strict: runs as :meth:`encode` writes them (InternalError naming the first wrong one)."""
         mode: list[int] = []
         rank: list[int] = []

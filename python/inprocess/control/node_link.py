@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from .. import _native
 from .incarnation import job_incarnation
@@ -34,7 +34,7 @@ class NodeLayout:
     local_world_size: int
 
     @classmethod
-    def from_env(cls, env: Optional[dict[str, str]] = None) -> Optional["NodeLayout"]:
+    def from_env(cls, env: dict[str, str] | None = None) -> NodeLayout | None:
         """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK, or a SLURM task's
         (:func:`inprocess.control.slurm_layout.slurm_layout`); None without them."""
         env = dict(os.environ) if env is None else env
@@ -51,7 +51,7 @@ class NodeLayout:
         return None if slurm is None else cls(*slurm)
 
 
-def socket_name(store_host: str, store_port: int, call: int, node: str, env: Optional[dict[str, str]] = None) -> bytes:
+def socket_name(store_host: str, store_port: int, call: int, node: str, env: dict[str, str] | None = None) -> bytes:
     """Abstract Unix socket name of a node's agent: unique per job incarnation, call and node.
 
     torchrun restarts its workers with the same store address and call index,
@@ -100,7 +100,7 @@ class NodeBoardLink(Protocol):
     def wait_outcome(self, barrier: int, timeout_s: float) -> int:
         """OUTCOME_LEAD, OUTCOME_DECIDED, OUTCOME_REFUSED, BOARD_TIMEOUT or BOARD_CLOSED."""
 
-    def read_decision(self) -> Optional[tuple[int, Optional[bytes]]]:
+    def read_decision(self) -> tuple[int, bytes | None] | None:
         """(barrier, decision bytes) as posted last; the bytes are None when too large for the board."""
 
     def forwarded(self) -> int:
@@ -129,7 +129,7 @@ class NodeLink:
     its own, without either.
     """
 
-    def __init__(self, board: Any, slot: int, sock: Optional[socket.socket] = None, pidfd: int = -1):
+    def __init__(self, board: Any, slot: int, sock: socket.socket | None = None, pidfd: int = -1):
         if not 0 <= slot < board.slots:
             raise ValueError(f"local rank {slot} is not in [0, {board.slots}) (the node board's slots)")
         self.board = board
@@ -139,7 +139,7 @@ class NodeLink:
         self._lost = False
 
     @classmethod
-    def connect(cls, name: bytes, slot: int, timeout: float, *, absent_s: Optional[float] = None) -> "NodeLink":
+    def connect(cls, name: bytes, slot: int, timeout: float, *, absent_s: float | None = None) -> NodeLink:
         """Connect to the agent (retrying until it listens) and map its board.
 
         ``absent_s``: stop retrying refused connections after this long (no
@@ -203,7 +203,7 @@ class NodeLink:
     def wait_outcome(self, barrier: int, timeout_s: float) -> int:
         return int(self.board.wait_outcome(self.slot, barrier, timeout_s))
 
-    def read_decision(self) -> Optional[tuple[int, Optional[bytes]]]:
+    def read_decision(self) -> tuple[int, bytes | None] | None:
         posted = self.board.read_decision()
         return None if posted is None else (int(posted[0]), posted[1])
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
 
 from .. import _native
 
@@ -51,7 +50,7 @@ class PhaseRow:
     hang_rule: HangRule
     counted_in_barrier: bool  # a rank that dies here may be counted healthy at a barrier not yet decided
     finished: bool  # the rank left the wrapper and told the store itself: its monitor has nothing to do
-    fault_name: Optional[str]  # phase=NAME in INPROCESS_FAULTS, if a fault may be injected on entering it
+    fault_name: str | None  # phase=NAME in INPROCESS_FAULTS, if a fault may be injected on entering it
     fault_when: str  # when a rank enters it, as the fault injector documents it ("" without a fault_name)
 
     @property
@@ -60,7 +59,7 @@ class PhaseRow:
 
 
 def _row(phase: _native.Phase, in_restart: bool = False, hang_rule: HangRule = HangRule.NONE,
-         counted_in_barrier: bool = False, finished: bool = False, fault_name: Optional[str] = None,
+         counted_in_barrier: bool = False, finished: bool = False, fault_name: str | None = None,
          fault_when: str = "") -> PhaseRow:
     return PhaseRow(phase, -1, in_restart, hang_rule, counted_in_barrier, finished, fault_name, fault_when)
 

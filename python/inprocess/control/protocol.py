@@ -54,7 +54,8 @@ store client. A store is anything with torch's Store methods.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..exception import BarrierOverflow, BarrierTimeout, InternalError, TimeoutError
 from . import board_arrival, seats
@@ -96,7 +97,7 @@ def monitor_heartbeat_key(call: int, rank: int, incarnation: str = "") -> str:
 _SEATS_PER_DESCRIBE_READ = 1024
 
 
-def _waits_for(seat: Optional[str], barrier: int) -> bool:
+def _waits_for(seat: str | None, barrier: int) -> bool:
     """Whether a seat holding ``seat`` belongs to a member not arrived at ``barrier`` yet."""
     if seat is None or seat == "":
         return barrier == 0
@@ -133,8 +134,8 @@ class RestartProtocol:
     """
 
     def __init__(
-        self, store: Any, call: int = 0, link: Optional[NodeBoardLink] = None, *,
-        initial_world_size: Optional[int] = None, incarnation: str = "", seats_per_key: Optional[int] = None,
+        self, store: Any, call: int = 0, link: NodeBoardLink | None = None, *,
+        initial_world_size: int | None = None, incarnation: str = "", seats_per_key: int | None = None,
     ):
         self.counted = CountingStore(store)
         self.call = call
@@ -208,10 +209,10 @@ class RestartProtocol:
     def wait_event(
         self,
         iteration: int,
-        timeout: Optional[float],
+        timeout: float | None,
         *,
-        cancelled: Optional[Callable[[], bool]] = None,
-        only_restart: Optional[Callable[[], bool]] = None,
+        cancelled: Callable[[], bool] | None = None,
+        only_restart: Callable[[], bool] | None = None,
     ) -> str:
         """The event of ``iteration``, once it is set.
 
@@ -240,12 +241,12 @@ class RestartProtocol:
 
     @staticmethod
     def _wait_event_on_board(
-        link: NodeBoardLink, iteration: int, timeout: Optional[float], what: str,
-        cancelled: Optional[Callable[[], bool]],
-    ) -> Optional[str]:
+        link: NodeBoardLink, iteration: int, timeout: float | None, what: str,
+        cancelled: Callable[[], bool] | None,
+    ) -> str | None:
         """The event as the node agent posted it; None once the agent is gone."""
 
-        def attempt(seconds: float) -> Optional[int]:
+        def attempt(seconds: float) -> int | None:
             outcome = link.wait_event(iteration, seconds)
             return outcome if outcome >= 0 else None
 
@@ -314,7 +315,7 @@ class RestartProtocol:
         values = self.seat_table.compare_set_many(moves, lambda items: self.counted.compare_set_many(items, pipe))
         return [value == desired for (_, _, desired), value in zip(moves, values, strict=True)]
 
-    def read_seat(self, initial_rank: int) -> Optional[str]:
+    def read_seat(self, initial_rank: int) -> str | None:
         """The seat's value, or None if the rank never arrived anywhere."""
         return self.seat_table.read(initial_rank)
 
@@ -383,8 +384,8 @@ class RestartProtocol:
         return self.terms.write(decision.iteration, decision.term, encoded) == encoded.encode()
 
     def wait_decision_raw(
-        self, iteration: int, timeout: Optional[float], *, cancelled: Optional[Callable[[], bool]] = None,
-        on_lost: Optional[Callable[[bytes], None]] = None,
+        self, iteration: int, timeout: float | None, *, cancelled: Callable[[], bool] | None = None,
+        on_lost: Callable[[bytes], None] | None = None,
     ) -> bytes:
         """The encoded decision of barrier ``iteration``, once it is published,
         following its terms past lost leaders (``on_lost(mark)`` for each mark)."""
@@ -401,13 +402,13 @@ class RestartProtocol:
     def wait_decision(self, iteration: int, timeout: float) -> Decision:
         return self._decided(Decision.from_json(self.wait_decision_raw(iteration, timeout)))
 
-    def decision_on_board(self, iteration: int) -> Optional[Decision]:
+    def decision_on_board(self, iteration: int) -> Decision | None:
         """Barrier ``iteration``'s decision as the node agent posted it, if it is the board's latest
         (not too large for it, not a lost mark); None otherwise: then it is read from the store."""
         posted = self.link.read_decision() if self.link is not None and self.link.alive() else None
         return self.posted_decision(posted, iteration)
 
-    def posted_decision(self, posted: Optional[tuple[int, Optional[bytes]]], iteration: int) -> Optional[Decision]:
+    def posted_decision(self, posted: tuple[int, bytes | None] | None, iteration: int) -> Decision | None:
         """``posted`` (the board's latest decision) if it is barrier ``iteration``'s decision itself."""
         if posted is None or posted[0] != iteration or posted[1] is None or parse_lost_mark(posted[1]) is not None:
             return None
@@ -425,10 +426,10 @@ class RestartProtocol:
         expected: int,
         *,
         terminated: bool = False,
-        decide: Optional[DecideFn] = None,
+        decide: DecideFn | None = None,
         timeout: float,
         seat_taken: bool = False,
-    ) -> Optional[Decision]:
+    ) -> Decision | None:
         """Arrive at barrier ``iteration`` and return its decision.
 
         A healthy arrival may lead: ``decide`` computes the decision then. A
@@ -461,7 +462,7 @@ class RestartProtocol:
             log.debug("barrier %d: could not give up: %s", iteration, e)
 
     def _barrier(self, iteration: int, initial_rank: int, expected: int, terminated: bool,
-                 decide: Optional[DecideFn], timeout: float, seat_taken: bool) -> Optional[Decision]:
+                 decide: DecideFn | None, timeout: float, seat_taken: bool) -> Decision | None:
         link = self.link
         if (link is not None and not terminated and not seat_taken and link.alive()
                 and not board_arrival.replaced(link, iteration)):
@@ -532,7 +533,7 @@ class RestartProtocol:
         board_arrival.post_arrival(self, iteration, initial_rank, expected)
 
     def await_outcome(
-        self, iteration: int, initial_rank: int, expected: int, *, decide: Optional[DecideFn] = None, timeout: float
+        self, iteration: int, initial_rank: int, expected: int, *, decide: DecideFn | None = None, timeout: float
     ) -> Decision:
         """Second half: the decision (:mod:`inprocess.control.board_arrival`)."""
         return board_arrival.await_outcome(self, iteration, initial_rank, expected, decide=decide, timeout=timeout)
@@ -553,7 +554,7 @@ class RestartProtocol:
         JoinKeys(self.counted, self.call, self.incarnation).end("the job ended")
         self.counted.set(self.keys.done(), "1")
 
-    def wait_done(self, timeout: Optional[float]) -> None:
+    def wait_done(self, timeout: float | None) -> None:
         self.counted.wait_key(self.keys.done(), timeout, "the other ranks leaving")
         self._delete([self.keys.done()])
 

@@ -12,7 +12,8 @@ import json
 import re
 import socket
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..exception import InternalError
 from .membership import Membership
@@ -34,7 +35,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number the protocol writes")
 
 
-def loads_strict(raw: "bytes | str") -> Any:
+def loads_strict(raw: bytes | str) -> Any:
     """JSON as the protocol writes it: no NaN/Infinity, bounded size and depth
     (a deeply nested document is a ValueError, not a RecursionError)."""
     if len(raw) > MAX_JSON_BYTES:
@@ -53,7 +54,7 @@ def field_int(d: dict[str, Any], name: str, low: int = _INT64[0], high: int = _I
     return value
 
 
-def field_str(d: dict[str, Any], name: str, default: Optional[str] = None) -> str:
+def field_str(d: dict[str, Any], name: str, default: str | None = None) -> str:
     value = d.get(name, default) if default is not None else d[name]
     if not isinstance(value, str):
         raise ValueError(f"{name}={value!r:.80}: expected a string")
@@ -79,14 +80,14 @@ class FaultRecord:
     t_ns: int = 0  # CLOCK_MONOTONIC of the host above
 
     @classmethod
-    def from_exception(cls, rank: int, iteration: int, kind: str, exc: BaseException) -> "FaultRecord":
+    def from_exception(cls, rank: int, iteration: int, kind: str, exc: BaseException) -> FaultRecord:
         return cls(rank, iteration, kind, type(exc).__name__, str(exc)[:MAX_MESSAGE], HOST, time.monotonic_ns())
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FaultRecord":
+    def from_dict(cls, d: dict[str, Any]) -> FaultRecord:
         """Strict: each field of the type the protocol writes (ValueError/KeyError otherwise).
         A rank of -1 is a record nobody could attribute (an unreadable line)."""
         d = _fields(d, "fault record")
@@ -96,7 +97,7 @@ class FaultRecord:
         )
 
     @classmethod
-    def parse_lines(cls, raw: str, iteration: int) -> list["FaultRecord"]:
+    def parse_lines(cls, raw: str, iteration: int) -> list[FaultRecord]:
         """The records of a faults key (JSON lines); a line that does not parse
         becomes an "unreadable" record instead of failing the barrier."""
         out = []
@@ -119,7 +120,7 @@ class Decision:
     faults: list[FaultRecord]  # up to MAX_FAULTS_IN_DECISION of iteration i-1
     n_faults: int
     leader: int
-    abort: Optional[str] = None  # set when the job cannot go on
+    abort: str | None = None  # set when the job cannot go on
     t_ns: int = 0
     host: str = HOST
     assignment_ns: int = 0  # how long the rank assignment took on the leader
@@ -129,7 +130,7 @@ class Decision:
     joined: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # What the leader measured of the iteration that failed (engine/storm.py: stalls, steps, ran_ms,
     # restart_ms): the storm brake's one judgement, read alike by every rank; None at barrier 0
-    progress: Optional[dict[str, int]] = None
+    progress: dict[str, int] | None = None
 
     def to_json(self) -> str:
         fields: dict[str, Any] = {
@@ -171,7 +172,7 @@ class Decision:
         return fields.get("abort") is not None or int(fields.get("ws", 1)) <= 0
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Decision":
+    def from_json(cls, raw: bytes) -> Decision:
         try:
             d = _fields(loads_strict(raw), "decision")
             n = field_int(d, "n", 0, MAX_WORLD_SIZE)
@@ -212,7 +213,7 @@ def _joined(raw: object, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _progress(raw: object) -> Optional[dict[str, int]]:
+def _progress(raw: object) -> dict[str, int] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict) or len(raw) > 8:

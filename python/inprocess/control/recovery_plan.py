@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ..exception import InternalError
 from ..state import Mode
@@ -103,7 +104,7 @@ def leaves(decision: Decision, initial_rank: int) -> bool:
     return decision.abort is not None or decision.membership.mode[initial_rank] == TERMINATED
 
 
-def seated(previous: Optional[Membership], joined: Iterable[tuple[int, int]]) -> Optional[Membership]:
+def seated(previous: Membership | None, joined: Iterable[tuple[int, int]]) -> Membership | None:
     """The membership a decision changes: ``previous`` with the decision's joiners (``(seat, life)``
     pairs) seated as spares (:meth:`Membership.with_joined`); ``previous`` itself when none joined,
     and None before the first decision (nobody joins at barrier 0). The leader's rank assignment
@@ -119,7 +120,7 @@ def _mode(column: int, initial_rank: int) -> Mode:
         raise InternalError(f"initial rank {initial_rank} has mode {column} in the membership") from None
 
 
-def _rank(value: int) -> Optional[int]:
+def _rank(value: int) -> int | None:
     return None if value == NONE else value
 
 
@@ -157,19 +158,19 @@ class RecoveryPlan:
     initial_rank: int
     transition: Transition
     new_mode: Mode
-    old_rank: Optional[int]
-    new_rank: Optional[int]
-    old_active_rank: Optional[int]
-    new_active_rank: Optional[int]
+    old_rank: int | None
+    new_rank: int | None
+    old_active_rank: int | None
+    new_active_rank: int | None
     new_world_size: int
     new_active_world_size: int
     release: frozenset[Resource]
-    state_source: Optional[StateSource]  # None: the rank runs no function in the next iteration
-    ends_job: Optional[str] = None
+    state_source: StateSource | None  # None: the rank runs no function in the next iteration
+    ends_job: str | None = None
 
     @classmethod
-    def for_rank(cls, previous: Optional[Membership], decision: Decision, initial_rank: int,
-                 schedule: Mapping[Resource, Moment] = RELEASE_SCHEDULE) -> "RecoveryPlan":
+    def for_rank(cls, previous: Membership | None, decision: Decision, initial_rank: int,
+                 schedule: Mapping[Resource, Moment] = RELEASE_SCHEDULE) -> RecoveryPlan:
         """The plan of ``initial_rank`` from the membership it had (``None`` at the job's start and
         for a joiner the decision admits) and the decision; ``schedule``: when the restart releases
         each resource of the failed iteration."""
@@ -218,7 +219,7 @@ class RecoveryPlan:
         """The rank runs the function in the iteration the decision starts."""
         return not self.leaves and self.new_mode == Mode.ACTIVE
 
-    def environment(self) -> dict[str, Optional[str]]:
+    def environment(self) -> dict[str, str | None]:
         """``RANK`` and ``WORLD_SIZE`` as the function sees them: its active rank and the active world
         size; a spare has no rank in the running job, so both are removed (``None``)."""
         if self.active:
@@ -243,10 +244,10 @@ class DecisionSummary:
     started_active: int  # at the job's start: the ranks that start active (0 after it)
     world_size: int
     active_world_size: int
-    ends_job: Optional[str] = None
+    ends_job: str | None = None
 
     @classmethod
-    def of(cls, previous: Optional[Membership], decision: Decision) -> "DecisionSummary":
+    def of(cls, previous: Membership | None, decision: Decision) -> DecisionSummary:
         """The transition of each initial rank, as its own plan gives it, counted and listed. Every rank
         computes it at every decision: one C-speed comparison of the mode columns, then Python work
         only for the ranks whose mode changed (16,384 ranks: about 1 ms).

@@ -34,7 +34,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from ..exception import InternalError
 from .keys import CallKeys
@@ -112,11 +112,11 @@ class SeatTable:
     first to touch a seat (None: 1).
     """
 
-    def __init__(self, counted: CountingStore, prefix: str, proposal: Optional[int] = None):
+    def __init__(self, counted: CountingStore, prefix: str, proposal: int | None = None):
         self.counted = counted
         self.prefix = prefix
         self.proposal = 1 if proposal is None else check_per_key(proposal, "seats per key proposed")
-        self._per_key: Optional[int] = None
+        self._per_key: int | None = None
         # Each key's value as last read or written here: the expected value of its next write.
         self._known: dict[int, str] = {}
 
@@ -137,15 +137,15 @@ class SeatTable:
     def key_of(self, initial_rank: int) -> str:
         return self.key(initial_rank // self.per_key)
 
-    def read(self, initial_rank: int) -> Optional[str]:
+    def read(self, initial_rank: int) -> str | None:
         """The seat's value, or None when nobody wrote it (the rank never arrived anywhere)."""
         return self.read_many([initial_rank])[initial_rank]
 
-    def read_many(self, ranks: Sequence[int]) -> dict[int, Optional[str]]:
+    def read_many(self, ranks: Sequence[int]) -> dict[int, str | None]:
         """The seats of ``ranks`` (None: never written): per 1,024 keys one ``check`` and one
         ``multi_get`` when they all exist, else one read each (a ``multi_get`` waits for a missing key)."""
         keys = self.keys_of(ranks)
-        values: list[Optional[str]] = []
+        values: list[str | None] = []
         for start in range(0, len(keys), _KEYS_PER_READ):
             chunk = keys[start:start + _KEYS_PER_READ]
             # check + multi_get is three requests: for fewer keys, one read each.
@@ -161,12 +161,12 @@ class SeatTable:
         per_key = self.per_key
         return [self.key(index) for index in sorted({r // per_key for r in ranks})]
 
-    def learn(self, ranks: Sequence[int], values: Sequence[Optional[str]]) -> dict[int, Optional[str]]:
+    def learn(self, ranks: Sequence[int], values: Sequence[str | None]) -> dict[int, str | None]:
         """The seats of ``ranks``, given the values of :meth:`keys_of` ``(ranks)`` (None: missing)."""
         per_key = self.per_key
         indexes = sorted({r // per_key for r in ranks})
         self._known.update(zip(indexes, (value or "" for value in values), strict=True))
-        out: dict[int, Optional[str]] = {}
+        out: dict[int, str | None] = {}
         for r in ranks:
             index, slot = divmod(r, per_key)
             out[r] = decode(self.key(index), self._known[index], per_key)[slot] or None
@@ -176,7 +176,7 @@ class SeatTable:
         """Move one seat from ``expected`` to ``desired``; what it holds afterwards ("" unwritten)."""
         return self.compare_set_many([(initial_rank, expected, desired)])[0]
 
-    def compare_set_many(self, moves: Sequence[tuple[int, str, str]], send: Optional[Send] = None) -> list[str]:
+    def compare_set_many(self, moves: Sequence[tuple[int, str, str]], send: Send | None = None) -> list[str]:
         """Move each seat (initial rank, expected, desired); per move what the seat holds afterwards.
 
         One ``compare_set`` per key touched, all sent together by ``send``

@@ -27,7 +27,6 @@ barrier b+1 like everyone. This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from ..exception import InternalError
 
@@ -38,7 +37,7 @@ class Seat:
 
     barrier: int
     life: int = 0
-    out_by: Optional[str] = None  # who counted the process out; None: counted healthy
+    out_by: str | None = None  # who counted the process out; None: counted healthy
 
     @property
     def counted_out(self) -> bool:

@@ -24,7 +24,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from . import seats
 from .leadership import parse_lost_mark
@@ -76,7 +76,7 @@ def lost_ranks(p: Any, barrier: int) -> tuple[set[int], bool]:
         term += 1
 
 
-def complete_count(p: Any, barrier: int, timeout: Optional[float]) -> bool:
+def complete_count(p: Any, barrier: int, timeout: float | None) -> bool:
     """After this caller marked a rank lost at ``barrier``: sets
     ``ready`` when the seats show every member arrived and the count agrees with them but for lost
     ranks' ``add``. True when it set it; False when ``ready`` or the decision came out first, the seats

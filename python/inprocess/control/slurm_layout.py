@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 log = logging.getLogger("inprocess")
 
@@ -44,7 +44,7 @@ def tasks_per_node(name: str, value: str) -> list[int]:
     return counts
 
 
-def _count(env: Mapping[str, str], node_index: Optional[int]) -> tuple[Optional[int], str]:
+def _count(env: Mapping[str, str], node_index: int | None) -> tuple[int | None, str]:
     """This node's task count and the variable it came from; (None, why not) without one."""
     if "SLURM_STEP_TASKS_PER_NODE" in env and node_index is not None:
         counts = tasks_per_node("SLURM_STEP_TASKS_PER_NODE", env["SLURM_STEP_TASKS_PER_NODE"])
@@ -64,7 +64,7 @@ def _count(env: Mapping[str, str], node_index: Optional[int]) -> tuple[Optional[
                   "none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE is set")
 
 
-def slurm_layout(env: Mapping[str, str]) -> Optional[tuple[str, int, int]]:
+def slurm_layout(env: Mapping[str, str]) -> tuple[str, int, int] | None:
     """(node, local rank, tasks on the node) of a SLURM task; None when ``SLURM_LOCALID`` is not set, or
     (said once, at INFO) when no variable gives this node's task count: node agents are then off."""
     global _said_off

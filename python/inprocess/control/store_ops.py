@@ -16,7 +16,8 @@ import builtins
 import contextlib
 import datetime
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar, Union, overload
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, overload
 
 from ..exception import TimeoutError
 from .tcpstore_client import TCPStoreClient
@@ -30,7 +31,7 @@ WAIT_CHUNK_S = 300.0
 ABSENT = "\x01"
 
 T = TypeVar("T")
-Value = Union[str, bytes]
+Value = str | bytes
 
 
 def is_timeout(e: BaseException) -> bool:
@@ -56,39 +57,39 @@ class Deadline:
 
     __slots__ = ("timeout", "_at")
 
-    def __init__(self, timeout: Optional[float]):
+    def __init__(self, timeout: float | None):
         self.timeout = timeout
         self._at = None if timeout is None else time.monotonic() + timeout
 
-    def remaining(self) -> Optional[float]:
+    def remaining(self) -> float | None:
         """Seconds left (negative once past), or None without a deadline."""
         return None if self._at is None else self._at - time.monotonic()
 
 
 @overload
 def wait_in_chunks(
-    attempt: Callable[[float], Optional[T]], deadline: Deadline, what: str, where: str, *,
-    cancelled: Optional[Callable[[], bool]] = ..., chunk_s: Optional[float] = ..., go_on: None = ...,
+    attempt: Callable[[float], T | None], deadline: Deadline, what: str, where: str, *,
+    cancelled: Callable[[], bool] | None = ..., chunk_s: float | None = ..., go_on: None = ...,
 ) -> T: ...
 
 
 @overload
 def wait_in_chunks(
-    attempt: Callable[[float], Optional[T]], deadline: Deadline, what: str, where: str, *,
-    cancelled: Optional[Callable[[], bool]] = ..., chunk_s: Optional[float] = ..., go_on: Callable[[], bool],
-) -> Optional[T]: ...
+    attempt: Callable[[float], T | None], deadline: Deadline, what: str, where: str, *,
+    cancelled: Callable[[], bool] | None = ..., chunk_s: float | None = ..., go_on: Callable[[], bool],
+) -> T | None: ...
 
 
 def wait_in_chunks(
-    attempt: Callable[[float], Optional[T]],
+    attempt: Callable[[float], T | None],
     deadline: Deadline,
     what: str,
     where: str,
     *,
-    cancelled: Optional[Callable[[], bool]] = None,
-    chunk_s: Optional[float] = None,
-    go_on: Optional[Callable[[], bool]] = None,
-) -> Optional[T]:
+    cancelled: Callable[[], bool] | None = None,
+    chunk_s: float | None = None,
+    go_on: Callable[[], bool] | None = None,
+) -> T | None:
     """``attempt(seconds)`` (one wait of at most ``seconds`` that returns None
     when it ran out) until it returns a value, which is returned.
 
@@ -115,13 +116,13 @@ def wait_in_chunks(
 class WaitWatch(Protocol):
     """What :attr:`CountingStore.watch` holds: told when a wait begins and when it ends."""
 
-    def begin(self, what: str, timeout: Optional[float]) -> None: ...
+    def begin(self, what: str, timeout: float | None) -> None: ...
 
     def end(self) -> None: ...
 
 
 @contextlib.contextmanager
-def _watching(watch: Optional[WaitWatch], what: str, timeout: Optional[float]) -> Iterator[None]:
+def _watching(watch: WaitWatch | None, what: str, timeout: float | None) -> Iterator[None]:
     if watch is None:
         yield
         return
@@ -160,7 +161,7 @@ class CountingStore:
         self.calls = 0
         self.requests = 0
         # Told when each wait begins and ends (inprocess.control.barrier_watch logs the long ones).
-        self.watch: Optional[WaitWatch] = None
+        self.watch: WaitWatch | None = None
 
     def _count(self, requests: int = 1) -> None:
         self.calls += 1
@@ -238,7 +239,7 @@ class CountingStore:
 
     # -- reads and waits built on them ----------------------------------------
 
-    def peek(self, key: str) -> Optional[bytes]:
+    def peek(self, key: str) -> bytes | None:
         """The value of ``key`` without waiting, or None when it does not exist.
 
         One ``compare_set`` whose expected and desired values are the same
@@ -252,24 +253,24 @@ class CountingStore:
         return None if value == ABSENT.encode() else value
 
     def wait_key(
-        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+        self, key: str, timeout: float | None, what: str, *, cancelled: Callable[[], bool] | None = None
     ) -> None:
         """Block until ``key`` exists (the store wakes us: no polling)."""
         with _watching(self.watch, what, timeout):
             self._wait_key(key, timeout, what, cancelled=cancelled)
 
     def get_blocking(
-        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+        self, key: str, timeout: float | None, what: str, *, cancelled: Callable[[], bool] | None = None
     ) -> bytes:
         """The value of ``key`` once it exists: :meth:`_get_blocking`."""
         with _watching(self.watch, what, timeout):
             return self._get_blocking(key, timeout, what, cancelled=cancelled)
 
     def _wait_key(
-        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+        self, key: str, timeout: float | None, what: str, *, cancelled: Callable[[], bool] | None = None
     ) -> None:
 
-        def attempt(seconds: float) -> Optional[bool]:
+        def attempt(seconds: float) -> bool | None:
             try:
                 self.wait([key], _td(seconds))
                 return True
@@ -281,7 +282,7 @@ class CountingStore:
         wait_in_chunks(attempt, Deadline(timeout), what, f"key {key}", cancelled=cancelled)
 
     def _get_blocking(
-        self, key: str, timeout: Optional[float], what: str, *, cancelled: Optional[Callable[[], bool]] = None
+        self, key: str, timeout: float | None, what: str, *, cancelled: Callable[[], bool] | None = None
     ) -> bytes:
         """The value of ``key`` once it exists: one blocking ``get`` per chunk.
 
@@ -293,7 +294,7 @@ class CountingStore:
         wait_get = getattr(self.raw, "wait_get", None)
         if wait_get is not None:
 
-            def attempt_within(seconds: float) -> Optional[bytes]:
+            def attempt_within(seconds: float) -> bytes | None:
                 self._count(2)
                 try:
                     return bytes(wait_get(key, seconds))
@@ -309,7 +310,7 @@ class CountingStore:
             return self.get(key)
         previous = self.raw.timeout
 
-        def attempt(seconds: float) -> Optional[bytes]:
+        def attempt(seconds: float) -> bytes | None:
             set_timeout(_td(seconds))
             try:
                 return self.get(key)

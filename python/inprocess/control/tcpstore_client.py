@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import builtins
 import datetime
-import errno
 import math
 import os
 import select
 import socket
-import struct
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import tcpstore_wire as wire
 from .store_errors import (
@@ -59,7 +58,11 @@ from .store_errors import (
     StoreProtocolError,
     StoreTimeoutError,
 )
+from .tcpstore_connect import open_connection, set_socket_timeouts
 from .tcpstore_wire import KEY_PREFIX, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST, MAX_VALUE_BYTES, Value
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["KEY_PREFIX", "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_VALUE_BYTES", "PIPELINE_BATCH",
            "StoreConnectionError", "StoreError", "StoreHandshakeClosedError", "StoreProtocolError",
@@ -71,14 +74,12 @@ _RECV_CHUNK = 64 * 1024
 #: while the server has stopped reading, so sending one never waits for this client to read.
 PIPELINE_BATCH = 256
 _POLL_MAX_MS = 2**31 - 1
-_RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EAGAIN, errno.EINTR}
-_GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED}  # nobody listens there (any more)
 
-Timeout = Union[datetime.timedelta, float, int]
+Timeout = datetime.timedelta | float | int
 _T = TypeVar("_T")
 
 
-def _seconds(value: Optional[Timeout], name: str) -> float:
+def _seconds(value: Timeout | None, name: str) -> float:
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -130,8 +131,8 @@ class TCPStoreClient:
         self._retry_refused = retry_refused
         self._lock = threading.Lock()
         self._rbuf = bytearray()
-        self._closed_because: Optional[str] = None
-        self._sock: Optional[socket.socket] = self._connect()
+        self._closed_because: str | None = None
+        self._sock: socket.socket | None = self._connect()
 
     # -- public API ---------------------------------------------------------------
 
@@ -148,11 +149,11 @@ class TCPStoreClient:
         sock = self._sock
         if sock is not None:
             try:
-                self._set_socket_timeouts(sock)
+                set_socket_timeouts(sock, self._timeout)
             except OSError:
                 pass  # closed meanwhile: the next call says so
 
-    def clone(self) -> "TCPStoreClient":
+    def clone(self) -> TCPStoreClient:
         """A new connection to the same server, with the same timeouts."""
         return TCPStoreClient(self.host, self.port, self._timeout, self._connect_timeout, self._retry_refused)
 
@@ -242,7 +243,7 @@ class TCPStoreClient:
 
         return self._run("check", None, self._timeout, body)
 
-    def wait(self, keys: Sequence[str], timeout: Optional[Timeout] = None) -> None:
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         """Block until every key exists; :class:`StoreTimeoutError` after ``timeout``.
 
         ``timeout`` defaults to the store timeout. The server wakes the wait
@@ -323,7 +324,7 @@ class TCPStoreClient:
     def closed(self) -> bool:
         return self._sock is None
 
-    def __enter__(self) -> "TCPStoreClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -336,76 +337,7 @@ class TCPStoreClient:
     # -- connection -----------------------------------------------------------------
 
     def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self._connect_timeout
-        backoff = 0.01
-        attempts = 0
-        while True:
-            attempts += 1
-            remaining = deadline - time.monotonic()
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(remaining, 0.001))
-            except socket.gaierror as e:
-                raise StoreConnectionError(f"cannot resolve the store host {self.host!r} ({self.address}): {e}") from e
-            except OSError as e:
-                retry = isinstance(e, builtins.TimeoutError) or (
-                    e.errno in _RETRY_ERRNOS and (self._retry_refused or e.errno not in _GONE_ERRNOS))
-                remaining = deadline - time.monotonic()
-                if not retry or remaining <= 0:
-                    raise StoreConnectionError(
-                        f"cannot connect to the store server at {self.address} within "
-                        f"{self._connect_timeout:g}s ({attempts} attempt(s)): {e}"
-                    ) from e
-                time.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, 1.0)
-                continue
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._handshake(sock, deadline)
-                sock.settimeout(None)  # blocking: the kernel's timeouts bound each call
-                self._set_socket_timeouts(sock)
-            except BaseException:
-                sock.close()
-                raise
-            return sock
-
-    def _handshake(self, sock: socket.socket, deadline: float) -> None:
-        nonce = (os.getpid() ^ int.from_bytes(os.urandom(4), "little")) & 0xFFFFFFFF
-        hello = (bytes((wire.VALIDATE,)) + wire.U32.pack(wire.VALIDATION_MAGIC) + bytes((wire.PING,))
-                 + wire.U32.pack(nonce))
-        reply = b""
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(hello)
-            while len(reply) < 4:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                chunk = sock.recv(4 - len(reply))
-                if not chunk:
-                    raise StoreHandshakeClosedError("connection closed by the peer")
-                reply += chunk
-        except (StoreHandshakeClosedError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as e:
-            raise StoreHandshakeClosedError(
-                f"the store server at {self.address} closed the connection in the handshake: {e} "
-                "(it is going away, or what listens there is not a torch TCPStore server)"
-            ) from e
-        except OSError as e:
-            raise StoreConnectionError(
-                f"the store server at {self.address} did not complete the handshake within "
-                f"{self._connect_timeout:g}s: {e} (is a torch TCPStore server listening there?)"
-            ) from e
-        echoed = wire.U32.unpack(reply)[0]
-        if echoed != nonce:
-            raise StoreProtocolError(
-                f"{self.address} answered the handshake with {echoed:#x} instead of {nonce:#x}: "
-                "not a torch TCPStore server?"
-            )
-
-    def _set_socket_timeouts(self, sock: socket.socket) -> None:
-        # A zero timeval means "no timeout" to the kernel: never send one.
-        seconds = max(self._timeout, 0.001)
-        whole = int(seconds)
-        timeval = struct.pack("@ll", whole, int((seconds - whole) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        return open_connection(self.host, self.port, self._connect_timeout, self._timeout, self._retry_refused)
 
     def _drop_socket(self) -> None:
         """Close the socket; the caller holds the lock."""
@@ -468,7 +400,7 @@ class TCPStoreClient:
 
     def _send(self, data: bytes, deadline: float) -> None:
         if time.monotonic() > deadline:
-            raise socket.timeout("deadline passed")
+            raise TimeoutError("deadline passed")
         self._sock.sendall(data)  # type: ignore[union-attr]
 
     def _recv_exact(self, n: int, deadline: float) -> bytes:
@@ -488,7 +420,7 @@ class TCPStoreClient:
             view = memoryview(out_buf)
             while have < n:
                 if time.monotonic() > deadline:
-                    raise socket.timeout("deadline passed")
+                    raise TimeoutError("deadline passed")
                 got = sock.recv_into(view[have:], n - have)
                 if got == 0:
                     raise self._eof()
@@ -539,7 +471,7 @@ class TCPStoreClient:
     def _fill(self, deadline: float) -> None:
         """Append what the socket has to the buffer (at least one byte)."""
         if time.monotonic() > deadline:
-            raise socket.timeout("deadline passed")
+            raise TimeoutError("deadline passed")
         chunk = self._sock.recv(_RECV_CHUNK)  # type: ignore[union-attr]
         if not chunk:
             raise self._eof()
@@ -577,7 +509,7 @@ class TCPStoreClient:
                 f"{_describe(op, key)}: the keys did not appear within {timeout:.3g}s (store {self.address})"
             )
 
-    def _recv_wait_answer(self, deadline: float) -> Optional[int]:
+    def _recv_wait_answer(self, deadline: float) -> int | None:
         """The wait's answer byte, or None when the deadline passed first."""
         if self._rbuf:
             return self._recv_exact(1, deadline)[0]

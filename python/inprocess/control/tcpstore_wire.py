@@ -43,9 +43,9 @@ the legacy one; checked against the installed server by
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Union
+from collections.abc import Iterable
 
-Value = Union[str, bytes, bytearray, memoryview]
+Value = str | bytes | bytearray | memoryview
 
 # Query types of torch's TCPStore server (c10d::detail::QueryType).
 VALIDATE = 0

@@ -8,7 +8,6 @@ for a rank replaces an earlier one). This module imports no torch."""
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from ..exception import InternalError
 from .keys import CallKeys
@@ -34,7 +33,7 @@ class TopologyKeys:
     def read(self, initial_world_size: int) -> list[KeyLists]:
         """Per initial rank, the key lists it published (leader only, once per restart)."""
         raw = (self.counted.peek(self.key) or b"").decode()
-        table: list[Optional[KeyLists]] = [None] * initial_world_size
+        table: list[KeyLists | None] = [None] * initial_world_size
         for line in raw.splitlines():
             if line:
                 rank, keys = json.loads(line)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 _TIMEDELTA_KEYWORDS = (
     "monitor_thread_interval",
@@ -93,7 +94,7 @@ class Timeouts:
     termination_grace_time: datetime.timedelta
 
     @classmethod
-    def validated(cls, **values: Any) -> "Timeouts":
+    def validated(cls, **values: Any) -> Timeouts:
         for name in _TIMEDELTA_KEYWORDS:
             value = values[name]
             if not isinstance(value, datetime.timedelta):
@@ -166,7 +167,7 @@ def check_callable(name: str, value: Any, optional: bool = True) -> None:
         raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected a callable or None")
 
 
-def check_path(name: str, value: Any) -> Optional[str]:
+def check_path(name: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
@@ -219,7 +220,7 @@ class GrowPolicy:
             raise ValueError(f"GrowPolicy(check_every={self.check_every!r}): expected an int >= 1")
 
 
-Hook = Optional[Callable[[Any], Any]]  # called with the rank's FrozenState
+Hook = Callable[[Any], Any] | None  # called with the rank's FrozenState
 
 
 class Settings(Protocol):
@@ -236,8 +237,8 @@ class Settings(Protocol):
     completion: Hook
     terminate: Hook
     rank_assignment: Any
-    grow: Optional[GrowPolicy]
-    node_agent: Optional[bool]
-    events_dir: Optional[str]
-    monitor_process_logfile: Optional[str]
-    monitor_process_pidfile: Optional[str]
+    grow: GrowPolicy | None
+    node_agent: bool | None
+    events_dir: str | None
+    monitor_process_logfile: str | None
+    monitor_process_pidfile: str | None

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..control.joining import JoinKeys
 from ..control.protocol import RestartProtocol
@@ -52,13 +53,13 @@ GROW = "grow"  # the kind of a grow's fault record
 class GrowPoints:
     """One rank's safe points in one iteration, and what they decide (module docstring)."""
 
-    def __init__(self, policy: Optional[GrowPolicy], protocol: RestartProtocol):
+    def __init__(self, policy: GrowPolicy | None, protocol: RestartProtocol):
         self.policy = policy
         self.protocol = protocol
         self.count = 0
         self.iteration = -1
         self.last_grow_s = -float("inf")
-        self.scheduled_in: Optional[int] = None  # the iteration in which this rank scheduled a grow
+        self.scheduled_in: int | None = None  # the iteration in which this rank scheduled a grow
 
     def begin(self, iteration: int) -> None:
         self._delete_keys()
@@ -83,7 +84,7 @@ class GrowPoints:
                 self.protocol.counted.delete_key(self.protocol.key(self.scheduled_in, name))
             self.scheduled_in = None
 
-    def reached(self, active_rank: Optional[int], active_world_size: int, world_size: int,
+    def reached(self, active_rank: int | None, active_world_size: int, world_size: int,
                 initial_world_size: int, initial_rank: int, wait: Callable[[], None]) -> None:
         """The main thread is at a safe point (outside any ``atomic()`` block)."""
         policy = self.policy

@@ -31,7 +31,7 @@ Which phase has which rule is the phase table's column ``hang_rule``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from .. import _native
 from ..control import phases

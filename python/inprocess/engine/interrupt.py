@@ -33,7 +33,7 @@ import ctypes
 import signal
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Optional
+from typing import Any
 
 from ..exception import RankShouldRestart, RestartAbort
 
@@ -79,7 +79,7 @@ class MainThreadInterrupter:
 
     # -- the main thread ------------------------------------------------------
 
-    def running(self) -> "_Running":
+    def running(self) -> _Running:
         """Marks the main thread as inside the wrapped function (a context manager)."""
         return _Running(self)
 
@@ -104,7 +104,7 @@ class MainThreadInterrupter:
                 self._clear_async()
         return pending
 
-    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes; it must not take the lock
         # (the main thread may hold it). Reading plain attributes is atomic.
         if self._in_fn and self._fired and not self._delivered and not _held_back(frame):
@@ -137,7 +137,7 @@ class MainThreadInterrupter:
                 self._set_async(RankShouldRestart)
             return True
 
-    def _set_async(self, exc: Optional[type]) -> None:
+    def _set_async(self, exc: type | None) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(
             ctypes.c_ulong(self._thread_id), ctypes.py_object(exc) if exc is not None else None
         )
@@ -156,8 +156,8 @@ class _Running:
     def __enter__(self) -> None:
         self._interrupter._enter_fn()
 
-    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # What the function raised goes on as it is: a RankShouldRestart raised on top
         # would hide it (a KeyboardInterrupt that came out together with the restart's
         # signal must still end the rank). The engine knows the restart was fired.
@@ -172,13 +172,13 @@ _OWN_CODE = frozenset({_Running.__enter__.__code__, _Running.__exit__.__code__,
                        MainThreadInterrupter._enter_fn.__code__, MainThreadInterrupter._leave_fn.__code__})
 
 
-def _held_back(frame: Optional[FrameType]) -> bool:
+def _held_back(frame: FrameType | None) -> bool:
     """The handler must not raise here: an import runs (a module cut in the middle stays
     broken), or the interrupter's own code does. The trigger sends the signal again."""
     return _importing(frame) or _in_own_code(frame)
 
 
-def _in_own_code(frame: Optional[FrameType]) -> bool:
+def _in_own_code(frame: FrameType | None) -> bool:
     while frame is not None:
         if frame.f_code in _OWN_CODE:
             return True
@@ -186,7 +186,7 @@ def _in_own_code(frame: Optional[FrameType]) -> bool:
     return False
 
 
-def _importing(frame: Optional[FrameType]) -> bool:
+def _importing(frame: FrameType | None) -> bool:
     """True when ``frame`` or a caller of it is importlib's machinery running a module's code."""
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
@@ -201,7 +201,7 @@ def _importing(frame: Optional[FrameType]) -> bool:
 LEAVING = (KeyboardInterrupt, SystemExit, RestartAbort)
 
 
-def interrupted_by(restart: RankShouldRestart) -> Optional[BaseException]:
+def interrupted_by(restart: RankShouldRestart) -> BaseException | None:
     """The KeyboardInterrupt, SystemExit or RestartAbort that ``restart`` was raised on top
     of (in its context), or None. The rank leaves with that one, as if the restart had
     not come: it is what the function raised first."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..control import seats
 from ..control.join_records import ADMITTED, CLOSED, ENDED, GONE, REFUSED, Announcement, Outcome
@@ -66,8 +67,8 @@ def job_config(wrapper: Any, fn: Callable[..., Any]) -> dict[str, str]:
 
 
 def wait_for_admission(
-    p: RestartProtocol, state: State, token: str, config: dict[str, str], keys: Optional[list[list[str]]],
-    stamp: Callable[[], None], timeout: float, monitor_beat_s: Optional[float] = None,
+    p: RestartProtocol, state: State, token: str, config: dict[str, str], keys: list[list[str]] | None,
+    stamp: Callable[[], None], timeout: float, monitor_beat_s: float | None = None,
 ) -> Decision:
     """Announce this process and wait until a leader resolves it; returns the decision that
     admits it (its seat's life is set on ``p``). Raises :class:`JoinRefused` or :class:`JoinClosed`.
@@ -119,7 +120,7 @@ def wait_for_admission(
     return decision if decision is not None else p.wait_decision(outcome.barrier, timeout)
 
 
-def _wait_on_board(join: JoinKeys, token: str, link: NodeBoardLink, stamp: Callable[[], None]) -> Optional[Outcome]:
+def _wait_on_board(join: JoinKeys, token: str, link: NodeBoardLink, stamp: Callable[[], None]) -> Outcome | None:
     """The joiner's outcome, read once per decision or event that its node's agent posts (only a
     restart's leader resolves a joiner, and its decision follows; the job's end is a complete event
     or a decision that ends it), and every _BACKSTOP_S (a peer's monitor may withdraw it). None
@@ -148,7 +149,7 @@ def _wait_on_board(join: JoinKeys, token: str, link: NodeBoardLink, stamp: Calla
     return outcome
 
 
-def _job_ends(posted: Optional[tuple[int, Optional[bytes]]], event: int) -> bool:
+def _job_ends(posted: tuple[int, bytes | None] | None, event: int) -> bool:
     """Whether the board says the job ends: a complete event, or a decision that ends it (its
     agent relays nothing after either)."""
     if event >= 0 and event % 2 == 1:
@@ -173,7 +174,7 @@ def _await_first_beat(join: JoinKeys, token: str, stamp: Callable[[], None], sec
                 "monitors until it does", token, seconds)
 
 
-def withdraw(p: RestartProtocol, token: str, why: str) -> Optional[Outcome]:
+def withdraw(p: RestartProtocol, token: str, why: str) -> Outcome | None:
     """This joiner leaves before it entered the job: its announcement is withdrawn. Returns
     the outcome that holds (an admission that came first must then be counted out)."""
     join = JoinKeys(p.counted, p.call, p.incarnation)

@@ -7,7 +7,6 @@ import inspect
 import logging
 import traceback
 from types import FrameType
-from typing import Optional
 
 from ..control.counting_out import count_out, members_at
 from ..control.protocol import FaultRecord, RestartProtocol
@@ -91,7 +90,7 @@ def release_frames(exc: BaseException) -> None:
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
-def _clear_callers(frame: Optional[FrameType]) -> None:
+def _clear_callers(frame: FrameType | None) -> None:
     """Clear ``frame`` and its callers up to the first one still executing (its callers execute too)."""
     while frame is not None:
         if not frame.f_code.co_flags & _SUSPENDABLE:  # clearing a suspended generator's frame would close it

@@ -27,7 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from . import sockets
 from .connection_release import ConnectionRelease
@@ -168,7 +169,7 @@ def _forget_orphaned_groups(c10d: Any) -> None:
     del held
 
 
-def release_groups(keep: Optional[Callable[[list[Any]], bool]] = None) -> int:
+def release_groups(keep: Callable[[list[Any]], bool] | None = None) -> int:
     """Destroy every torch.distributed group and drop the references kept here.
 
     Call it from the main thread once it is back from the failed iteration

@@ -27,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, NoReturn, Optional
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from .. import faults
 from ..control import agreement, joining, phases
@@ -83,11 +84,11 @@ class Recovery:
         self.job_config = join.job_config(settings, fn)  # what a joiner's must equal
         self.standing = Standing.JOINING if joining.join_requested() else Standing.STARTING
         self.join_token = joining.new_token() if self.standing is Standing.JOINING else ""
-        self.membership: Optional[Membership] = None
+        self.membership: Membership | None = None
         self.assignment = AssignmentRunner(settings.rank_assignment)
         self.storm = StormBrake(StormLimits.from_environment())  # INPROCESS_RESTART_STORM: a bad value fails here
-        self.rt: Optional[RankRuntime] = None
-        self.grow: Optional[GrowPoints] = None  # the job's safe points (Wrapper(grow=...)): engine/grow.py
+        self.rt: RankRuntime | None = None
+        self.grow: GrowPoints | None = None  # the job's safe points (Wrapper(grow=...)): engine/grow.py
 
     @property
     def runtime(self) -> RankRuntime:
@@ -141,7 +142,7 @@ class Recovery:
         self._carry_out(decision, RecoveryPlan.for_rank(None, decision, s.initial_rank))
         return True
 
-    def _admission(self, keys: Optional[list[list[str]]]) -> Optional[Decision]:
+    def _admission(self, keys: list[list[str]] | None) -> Decision | None:
         """Announced as a joiner, the decision that admits this process, or None when the job closed."""
         rt, s, t = self.runtime, self.state, self.settings.timeouts
         beats = rt.monitor is not None and t.heartbeat_interval.total_seconds() > 0
@@ -241,7 +242,7 @@ class Recovery:
 
     # -- carrying a plan out -----------------------------------------------------------
 
-    def _carry_out(self, decision: Decision, plan: RecoveryPlan, summary: Optional[DecisionSummary] = None) -> None:
+    def _carry_out(self, decision: Decision, plan: RecoveryPlan, summary: DecisionSummary | None = None) -> None:
         """This rank takes the role its plan gives it, by the plan's transition, or leaves."""
         s = self.state
         self._emit_decision(decision, summary or DecisionSummary.of(self.membership, decision), plan)
@@ -294,7 +295,7 @@ class Recovery:
                 os.environ[name] = value
         self.runtime.hang_guard.begin_iteration(s.iteration, s.world_size)
 
-    def _seated(self, previous: Optional[Membership], joined: list[tuple[int, int]]) -> Optional[Membership]:
+    def _seated(self, previous: Membership | None, joined: list[tuple[int, int]]) -> Membership | None:
         """The membership a decision changes (:func:`~inprocess.control.recovery_plan.seated`); the
         joiners' topology keys replace their seats' old ones."""
         changed = seated(previous, joined)
@@ -411,7 +412,7 @@ class Recovery:
             e = outcome.abort_error or InternalError("restart trigger stopped without an outcome")
             raise LeaveJob(e, Leave.STORE_LOST)
 
-    def _run_recovery_hook(self, hook: Optional[Callable[[FrozenState], Any]], failed: Leave) -> None:
+    def _run_recovery_hook(self, hook: Callable[[FrozenState], Any] | None, failed: Leave) -> None:
         if hook is None:
             return
         try:

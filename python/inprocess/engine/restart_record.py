@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 from ..control.protocol import FaultRecord
 
@@ -100,7 +99,7 @@ class RestartRecord:
     activated: list[int] = dataclasses.field(default_factory=list)  # spares (initial ranks) made active
     joined: list[int] = dataclasses.field(default_factory=list)  # seats (initial ranks) that new processes joined
     repeats: int = 1  # restarts in a row with the same cause, this one included (engine/storm.py)
-    repeated_on_rank: Optional[int] = None  # the one rank that cause was on every time, if one
+    repeated_on_rank: int | None = None  # the one rank that cause was on every time, if one
     backoff_s: float = 0.0  # the wait before the next iteration: a restart storm (engine/storm.py)
 
     @property

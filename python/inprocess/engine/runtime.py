@@ -28,7 +28,8 @@ import select
 import sys
 import time
 import typing
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -77,13 +78,13 @@ class RankRuntime:
     hang_guard: HangGuard
     interrupter: MainThreadInterrupter
     store: dist.Store
-    node_link: Optional[NodeLink]
+    node_link: NodeLink | None
     protocol: RestartProtocol
     trigger: RestartTrigger
     trigger_protocol: RestartProtocol  # the trigger thread's own connection
     watchdog: _native.Watchdog
-    monitor: Optional[HelperProcess]
-    events: Optional[EventLog]  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
+    monitor: HelperProcess | None
+    events: EventLog | None  # None unless events are on (Wrapper(events_dir=...), INPROCESS_EVENTS_DIR)
 
     def __init__(self, wrapper: Settings, state: State, call_index: int, join_token: str = ""):
         self._w = wrapper
@@ -95,10 +96,10 @@ class RankRuntime:
         self.incarnation = job_incarnation()
         self._stack = contextlib.ExitStack()
         # The function's own rendezvous: a fresh client per iteration (open_iteration_store).
-        self._user_client: Optional[dist.Store] = None
+        self._user_client: dist.Store | None = None
         self._user_sockets: dict[int, str] = {}
-        self._seats_per_key: Optional[int] = None  # proposed for the call's seats (control/seat_table.py)
-        self._node_agent: Optional[HelperProcess] = None
+        self._seats_per_key: int | None = None  # proposed for the call's seats (control/seat_table.py)
+        self._node_agent: HelperProcess | None = None
         self._store_sockets: dict[int, str] = {}
 
     @classmethod
@@ -212,7 +213,7 @@ class RankRuntime:
             store.set(keys.STORE_HOST_CALL, str(self.call_index))
         return typing.cast(dist.Store, store)  # whatever store_factory made: used as a torch Store
 
-    def _open_node_link(self) -> Optional[NodeLink]:
+    def _open_node_link(self) -> NodeLink | None:
         """This node's agent (local rank 0 starts it), or None: the store directly."""
         layout = NodeLayout.from_env()
         store = self.store
@@ -249,7 +250,7 @@ class RankRuntime:
                         self._state.initial_rank, e)
             return None
 
-    def _join_node_agent(self, layout: NodeLayout, store: dist.TCPStore) -> Optional[NodeLink]:
+    def _join_node_agent(self, layout: NodeLayout, store: dist.TCPStore) -> NodeLink | None:
         """A joiner links to its node's agent, if one runs, in its local rank's slot.
 
         It never starts one: the agent of a node still running other ranks of the
@@ -275,7 +276,7 @@ class RankRuntime:
                  self._state.initial_rank, layout.node, link.board.agent_pid, layout.local_rank)
         return link
 
-    def _spawn_monitor(self) -> Optional[HelperProcess]:
+    def _spawn_monitor(self) -> HelperProcess | None:
         """The per-rank monitor process: sees this rank's death through a pidfd,
         enforces hard_timeout, and reports for the rank when it cannot."""
         store = self.store
@@ -340,7 +341,7 @@ class RankRuntime:
         if Resource.ITERATION_STORE in resources:
             self._user_client, self._user_sockets = None, {}
 
-    def emit(self, kind: str, t_ns: Optional[int] = None, **fields: Any) -> None:
+    def emit(self, kind: str, t_ns: int | None = None, **fields: Any) -> None:
         """An event of this rank (:mod:`inprocess.events`), where events are on."""
         if self.events is not None:
             self.events.emit(kind, t_ns, **fields)

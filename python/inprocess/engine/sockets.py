@@ -14,7 +14,6 @@ import os
 import socket
 import struct
 import termios
-from typing import Optional
 
 # Linux TCP states (include/net/tcp_states.h): the peer closed its end.
 _TCP_CLOSE_WAIT = 8
@@ -85,7 +84,7 @@ def accepted_by_older_listeners(new: dict[int, str], before: dict[int, str]) -> 
     return accepted
 
 
-def identity(fd: int) -> Optional[str]:
+def identity(fd: int) -> str | None:
     """ "socket:[inode]" of descriptor fd, or None if it is closed or not a socket."""
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
@@ -125,7 +124,7 @@ def shutdown_connected(sockets: dict[int, str]) -> tuple[int, list[int]]:
     return count, gone
 
 
-def hold_connected(fd: int, ident: str) -> Optional[int]:
+def hold_connected(fd: int, ident: str) -> int | None:
     """A second descriptor of the connected TCP socket (fd, ident), or None.
 
     The socket then stays open when its owner closes fd: the peer sees no

@@ -70,7 +70,8 @@ import math
 import os
 import re
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from ..control.phases import Phase
 from ..control.protocol import RestartProtocol
@@ -144,7 +145,7 @@ class StormLimits:
         return float(min(self.max_backoff_s, self.first_backoff_s * 2.0 ** doublings))
 
     @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "StormLimits":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> StormLimits:
         """The limits ``INPROCESS_RESTART_STORM`` sets (the defaults when unset); ValueError naming a bad part."""
         text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
         if not text:
@@ -211,7 +212,7 @@ class Progress:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_fields(cls, fields: Optional[Mapping[str, Any]]) -> Optional["Progress"]:
+    def from_fields(cls, fields: Mapping[str, Any] | None) -> Progress | None:
         """From a decision's ``progress`` (None when it has none: a decision of barrier 0)."""
         if fields is None:
             return None
@@ -275,7 +276,7 @@ class StormBrake:
         # The judgement, as the last decision carried it.
         self._stalls = 0
         self._run: collections.deque[_Stall] = collections.deque(maxlen=limits.repeats)
-        self._previous: Optional[tuple[str, int]] = None  # (host, t_ns) of the last decision
+        self._previous: tuple[str, int] | None = None  # (host, t_ns) of the last decision
         self._backoff_s = 0.0  # the back-off that followed the last decision
         self._storm_since = 0.0  # time.monotonic() of this rank when the storm was declared
         self._last_report = 0.0
@@ -296,7 +297,7 @@ class StormBrake:
         """The function reported a step (``ping()``, ``atomic()``, ``safe_point()``)."""
         self._steps += 1
 
-    def phase_entered(self, phase: Phase, state: State, protocol: Optional[RestartProtocol]) -> None:
+    def phase_entered(self, phase: Phase, state: State, protocol: RestartProtocol | None) -> None:
         """The rank entered ``phase``: RUNNING starts an iteration (the function, or a spare's wait),
         ABORTING is the restart reaching the main thread, and at RESTART_BARRIER a reporter that made
         progress says so in ``protocol``'s store."""
@@ -314,8 +315,8 @@ class StormBrake:
             except Exception as e:  # the store is gone: the barrier says so
                 log.debug("could not report progress of iteration %d: %s", state.iteration, e)
 
-    def judge(self, protocol: Optional[RestartProtocol] = None, iteration: int = 0, host: str = HOST,
-              t_ns: Optional[int] = None) -> Progress:
+    def judge(self, protocol: RestartProtocol | None = None, iteration: int = 0, host: str = HOST,
+              t_ns: int | None = None) -> Progress:
         """The iteration ``iteration`` that failed, as the reporters (read in ``protocol``'s store) and
         this rank measured it, judged against the decision of (``host``, ``t_ns``), by default one this
         rank makes now: the leader's entry for its decision."""
@@ -401,7 +402,7 @@ class StormBrake:
 
     # -- logs and the wait ------------------------------------------------------------------
 
-    def log_restart(self, verdict: Verdict, record: RestartRecord, initial_rank: int, summary: Optional[str]) -> None:
+    def log_restart(self, verdict: Verdict, record: RestartRecord, initial_rank: int, summary: str | None) -> None:
         """The restart's lines on this rank: ``summary`` is the restart's WARNING (lowest active rank only)."""
         phases = ", ".join(f"{k.replace('_', ' ')} {v:.0f} ms" for k, v in record.phases_ms().items())
         line = (f"rank {initial_rank}: restarted after iteration {record.iteration} in "

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ..control.protocol import RESTART, RestartProtocol
 from ..exits import EXIT_CODE_UNRELEASABLE
@@ -31,10 +31,10 @@ class IterationOutcome:
 
     def __init__(self, iteration: int):
         self.iteration = iteration
-        self.event: Optional[str] = None
+        self.event: str | None = None
         self.detected_ns = 0  # when the trigger woke (CLOCK_MONOTONIC)
         self.aborted_ns = 0
-        self.abort_error: Optional[BaseException] = None
+        self.abort_error: BaseException | None = None
         self.done = threading.Event()  # set once the outcome is known and, on restart, the abort ran
         # An active rank runs the function: until its main thread counts it
         # completed, the event can only be "restart" (see RestartProtocol.wait_event).
@@ -60,7 +60,7 @@ class RestartTrigger:
         self._release_timeout = release_timeout
         self._leave = leave
         self._cond = threading.Condition()
-        self._armed: Optional[IterationOutcome] = None
+        self._armed: IterationOutcome | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="inprocess-restart-trigger", daemon=True)
         self._thread.start()
@@ -85,7 +85,7 @@ class RestartTrigger:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _next(self) -> Optional[IterationOutcome]:
+    def _next(self) -> IterationOutcome | None:
         with self._cond:
             while self._armed is None and not self._stopping:
                 self._cond.wait()

@@ -12,7 +12,7 @@ import ctypes
 import os
 import signal
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .plan import Kind
 
@@ -48,8 +48,8 @@ def perform(
     kind: Kind,
     message: str = "injected fault",
     code: int = 1,
-    duration_s: Optional[float] = None,
-    cuda_device: Optional[int] = None,
+    duration_s: float | None = None,
+    cuda_device: int | None = None,
 ) -> None:
     """Do what ``kind`` does, now, in this thread. Returns only for a hang with
     a duration, a signal the process survives (SIGTERM/SIGINT with a handler
@@ -84,7 +84,7 @@ _SIGNALS = {
 }
 
 
-def sleep_releasing_gil(duration_s: Optional[float]) -> None:
+def sleep_releasing_gil(duration_s: float | None) -> None:
     """Sleep (``None``: until killed) with the GIL released: other threads run on.
 
     ``time.sleep`` resumes after a signal whose handler returns, and ends with
@@ -108,7 +108,7 @@ class _Timespec(ctypes.Structure):
 _EINTR = 4
 
 
-def sleep_holding_gil(duration_s: Optional[float]) -> None:
+def sleep_holding_gil(duration_s: float | None) -> None:
     """Sleep (``None``: until killed) in one C call that keeps the GIL: the process runs no Python at all.
 
     ``ctypes.PyDLL`` does not release the GIL around the call, unlike
@@ -141,7 +141,7 @@ def sleep_holding_gil(duration_s: Optional[float]) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked_before)
 
 
-def device_side_error(cuda_device: Optional[int]) -> None:
+def device_side_error(cuda_device: int | None) -> None:
     """An out-of-bounds index on the GPU: a device-side assertion that poisons the CUDA context.
 
     Raises ``RuntimeError`` (CUDA error: device-side assert triggered) here
@@ -155,7 +155,7 @@ def device_side_error(cuda_device: Optional[int]) -> None:
     torch.cuda.synchronize(device)
 
 
-def gpu_sleep(duration_s: Optional[float], cuda_device: Optional[int]) -> None:
+def gpu_sleep(duration_s: float | None, cuda_device: int | None) -> None:
     """Queue a kernel that spins on the GPU (``None``: practically for ever) and return.
 
     The host goes on until it next waits for the device (a synchronize, a

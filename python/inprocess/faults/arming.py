@@ -22,13 +22,17 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import calls
 from ..environment import env_int
 from ..state import FrozenState, Mode
 from . import actions, unfired
 from .plan import GPU_KINDS, MAIN_THREAD_KINDS, FaultPlan, Kind, ScheduledFault
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class CallWrapper(Protocol):
@@ -49,7 +53,7 @@ DELIVERY_SIGNAL = signal.SIGRTMIN + 6
 # (plan text, entry index, iteration) of every fault fired in this process. dict.setdefault
 # is one atomic step under the GIL, so a signal handler may use it without a lock.
 _fired: dict[tuple[str, int, int], object] = {}
-_current: Optional["ArmedFaults"] = None
+_current: ArmedFaults | None = None
 _plan_cache: dict[str, FaultPlan] = {}
 # The step faults of the last (plan, rank, world size, iteration, active) maybe_inject scheduled unarmed.
 _unarmed_steps: dict[tuple[FaultPlan, int, int, int, bool], dict[int, list[ScheduledFault]]] = {}
@@ -136,14 +140,14 @@ class ArmedFaults:
 
     def __init__(
         self,
-        plan: Optional[FaultPlan],
+        plan: FaultPlan | None,
         rank: int,
         world_size: int,
         iteration: int,
         active: bool = True,
-        callback: Optional[Callable[[], Any]] = None,
+        callback: Callable[[], Any] | None = None,
         persistent: bool = False,
-        key: Optional[str] = None,
+        key: str | None = None,
     ):
         self.plan = plan
         self.rank = rank
@@ -153,7 +157,7 @@ class ArmedFaults:
         self._callback = callback
         self._persistent = persistent
         self._cancelled = threading.Event()
-        self._timer: Optional[threading.Thread] = None
+        self._timer: threading.Thread | None = None
         self._uses_delivery = False
         self._armed_at = time.monotonic()
         self._active = active
@@ -165,7 +169,7 @@ class ArmedFaults:
                 log.info("initial rank %d is a spare in iteration %d: %s not injected (no training code runs)",
                          rank, iteration, f.spec)
             scheduled = [f for f in scheduled if f.spec.kind not in MAIN_THREAD_KINDS]
-        self._cuda_device: Optional[int] = None
+        self._cuda_device: int | None = None
         gpu = [f.spec.kind for f in scheduled if f.spec.kind in GPU_KINDS]
         if gpu:
             self._cuda_device = actions.cuda_device_for(gpu[0])  # FaultUnavailable without CUDA
@@ -217,7 +221,7 @@ class ArmedFaults:
             step_faults = [f for fs in self._at_step.values() for f in fs]
             unfired.iteration_ended(self.iteration, time.monotonic() - self._armed_at, self._active, step_faults)
 
-    def __enter__(self) -> "ArmedFaults":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -262,8 +266,8 @@ def fire(
     f: ScheduledFault,
     plan_key: str,
     rank: int,
-    callback: Optional[Callable[[], Any]] = None,
-    cuda_device: Optional[int] = None,
+    callback: Callable[[], Any] | None = None,
+    cuda_device: int | None = None,
 ) -> None:
     """Perform ``f`` in this thread, unless it fired already in this process."""
     token = object()
@@ -302,7 +306,7 @@ def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> None:
 # -- entry points ------------------------------------------------------------
 
 
-def plan_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optional[FaultPlan]:
+def plan_from_environment(environ: Mapping[str, str] | None = None) -> FaultPlan | None:
     """The plan in ``INPROCESS_FAULTS`` (None if unset or blank); ValueError naming a malformed part."""
     text = (os.environ if environ is None else environ).get(ENV_VAR)
     if text is None or not text.strip():
@@ -316,12 +320,12 @@ def plan_from_environment(environ: Optional[Mapping[str, str]] = None) -> Option
 
 
 def arm(
-    plan: Optional[FaultPlan],
+    plan: FaultPlan | None,
     rank: int,
     world_size: int,
     iteration: int,
     active: bool = True,
-    callback: Optional[Callable[[], Any]] = None,
+    callback: Callable[[], Any] | None = None,
 ) -> ArmedFaults:
     """Arm ``plan`` for one rank and iteration; the result is what :func:`maybe_inject` uses until disarmed."""
     global _current
@@ -330,7 +334,7 @@ def arm(
     return armed
 
 
-def arm_from_environment(state: FrozenState, environ: Optional[Mapping[str, str]] = None) -> ArmedFaults:
+def arm_from_environment(state: FrozenState, environ: Mapping[str, str] | None = None) -> ArmedFaults:
     """Arm ``INPROCESS_FAULTS`` for the iteration ``state`` describes; disarm (leave the ``with``) when it ends.
 
     Call it in the thread that runs the training code, when the iteration
@@ -344,7 +348,7 @@ def arm_from_environment(state: FrozenState, environ: Optional[Mapping[str, str]
                active=state.mode == Mode.ACTIVE)
 
 
-def maybe_inject(step: object, call_wrapper: Optional["CallWrapper"] = None) -> None:
+def maybe_inject(step: object, call_wrapper: CallWrapper | None = None) -> None:
     """Call once per training step: fires the faults ``INPROCESS_FAULTS`` schedules for ``step`` on this rank.
 
     Does nothing (one environment lookup) when the variable is unset. The
@@ -388,7 +392,7 @@ def report_unfired(rank: int, world_size: int, last_iteration: int) -> list[str]
         return []
 
 
-def _whereabouts(call_wrapper: Optional["CallWrapper"]) -> tuple[int, int, int, bool]:
+def _whereabouts(call_wrapper: CallWrapper | None) -> tuple[int, int, int, bool]:
     if call_wrapper is None:
         call_wrapper = calls.current_call()
     if call_wrapper is not None:

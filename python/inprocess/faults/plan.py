@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Callable
 from random import Random
-from typing import Callable, Optional
 
 from ..control import phases as phase_table
 
@@ -143,12 +143,12 @@ class FaultSpec:
 
     kind: Kind
     ranks: Ranks
-    step: Optional[tuple[int, int]] = None
-    after_ms: Optional[tuple[int, int]] = None
-    iterations: Optional[tuple[int, ...]] = (0,)  # None: every iteration
-    code: Optional[int] = None
-    for_ms: Optional[int] = None
-    phase: Optional[str] = None  # one of PHASES
+    step: tuple[int, int] | None = None
+    after_ms: tuple[int, int] | None = None
+    iterations: tuple[int, ...] | None = (0,)  # None: every iteration
+    code: int | None = None
+    for_ms: int | None = None
+    phase: str | None = None  # one of PHASES
 
     def __post_init__(self) -> None:
         kind: object = self.kind
@@ -217,8 +217,8 @@ class ScheduledFault:
     index: int  # the entry's position in the plan
     spec: FaultSpec
     iteration: int
-    step: Optional[int]
-    delay_s: Optional[float]
+    step: int | None
+    delay_s: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +234,7 @@ class FaultPlan:
             raise ValueError(f"seed={self.seed!r}: expected an integer in 0..2**64-1")
 
     @classmethod
-    def parse(cls, text: str, source: str = "INPROCESS_FAULTS") -> "FaultPlan":
+    def parse(cls, text: str, source: str = "INPROCESS_FAULTS") -> FaultPlan:
         return _parse_plan(text, source)
 
     def __str__(self) -> str:
@@ -394,7 +394,7 @@ def _parse_spec(entry: str) -> FaultSpec:
         step = _range(fields["step"], "step", lambda t, n: _int(t, n, MAX_STEP)) if "step" in fields else None
         after_ms = _range(fields["after"], "after", _duration_ms) if "after" in fields else None
         phase = _phase(fields["phase"]) if "phase" in fields else None
-        iterations: Optional[tuple[int, ...]] = (0,)
+        iterations: tuple[int, ...] | None = (0,)
         if "iteration" in fields:
             text = fields["iteration"]
             iterations = None if text == "*" else _listed(text, "iteration", MAX_ITERATION)
@@ -416,7 +416,7 @@ def _parse_plan(text: object, source: str) -> FaultPlan:
     if not isinstance(text, str):
         raise ValueError(f"{source}={text!r}: expected a string")
     specs: list[FaultSpec] = []
-    seed: Optional[int] = None
+    seed: int | None = None
     for number, raw in enumerate(text.split(";"), 1):
         entry = raw.strip()
         where = f"{source}: entry {number} {entry!r}"

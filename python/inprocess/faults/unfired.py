@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
 
 from .plan import MAIN_THREAD_KINDS, FaultPlan, FaultSpec, ScheduledFault
 
@@ -63,7 +62,7 @@ def phase_entered(name: str, iteration: int) -> None:
         _phases.add((name, iteration))
 
 
-def report_unfired(plan: Optional[FaultPlan], rank: int, world_size: int, last_iteration: int) -> list[str]:
+def report_unfired(plan: FaultPlan | None, rank: int, world_size: int, last_iteration: int) -> list[str]:
     """Log a WARNING for each entry of ``plan`` due on initial ``rank`` that never fired in this process,
     saying why; returns the messages. ``last_iteration``: the iteration the call ended in."""
     if plan is None:
@@ -114,7 +113,7 @@ def _why(f: ScheduledFault) -> str:
 
 
 def _after_the_end(plan: FaultPlan, index: int, spec: FaultSpec, rank: int, world_size: int,
-                   last_iteration: int) -> Optional[str]:
+                   last_iteration: int) -> str | None:
     """Why an entry due on ``rank`` only in iterations after the last one never fired; None if it is not due."""
     if spec.iterations is None:
         return None

@@ -4,8 +4,9 @@ recorder dump) on a daemon thread, and waits for it no longer than a deadline.""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -13,8 +14,8 @@ T = TypeVar("T")
 @dataclass
 class Bounded(Generic[T]):
     finished: bool
-    value: Optional[T] = None
-    error: Optional[BaseException] = None
+    value: T | None = None
+    error: BaseException | None = None
 
 
 def call_within(fn: Callable[[], T], timeout: float, name: str) -> Bounded[T]:

@@ -23,7 +23,6 @@ known, or else the device's UUID or physical index from
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 # cuInit's answers that mean "no GPU here" rather than "a GPU in trouble":
 # CUDA_ERROR_NO_DEVICE (100; also what CUDA_VISIBLE_DEVICES="" gives) and
@@ -32,7 +31,7 @@ from typing import Optional
 NO_DEVICE_ERRORS = (100, 34)
 
 
-def visible_in_environment() -> Optional[int]:
+def visible_in_environment() -> int | None:
     """How many devices ``CUDA_VISIBLE_DEVICES`` names (None where it is
     unset: then every device of the node is visible). Used where the CUDA
     driver cannot be asked."""
@@ -42,7 +41,7 @@ def visible_in_environment() -> Optional[int]:
     return len([e for e in visible.split(",") if e.strip()])
 
 
-def torch_visible_devices() -> Optional[int]:
+def torch_visible_devices() -> int | None:
     """How many devices this process sees, for code that runs beside torch's
     own use of CUDA (the NCCL abort, a finalize thread): torch's count where
     torch has initialised CUDA already (it creates no context), else
@@ -56,7 +55,7 @@ def torch_visible_devices() -> Optional[int]:
     return visible_in_environment()
 
 
-def cuda_ordinal(device: Optional[int] = None, visible: Optional[int] = None) -> int:
+def cuda_ordinal(device: int | None = None, visible: int | None = None) -> int:
     """The CUDA device of this rank: `device`, else ``LOCAL_RANK`` modulo
     `visible` (the devices this process sees; None: not known, taken as
     is), else 0."""

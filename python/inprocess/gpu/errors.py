@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, NoReturn, Optional
+from collections.abc import Callable
+from typing import NoReturn
 
 from ..exception import HealthCheckError, RestartError, exception_chain
 from ..exits import EXIT_CODE_CONTEXT_LOST, exit_now
@@ -52,7 +53,7 @@ class NcclAbortTimeout(RestartError):
     timeout) takes over."""
 
 
-def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], object]] = None) -> NoReturn:
+def leave_for_lost_context(error: BaseException, leave: Callable[[], object] | None = None) -> NoReturn:
     """Ends the process with :data:`EXIT_CODE_CONTEXT_LOST`, without running
     Python's exit machinery: atexit handlers and finalizers would call into
     the lost context (torch's CUDA caching allocator frees its memory at
@@ -70,6 +71,6 @@ def leave_for_lost_context(error: BaseException, leave: Optional[Callable[[], ob
     exit_now(EXIT_CODE_CONTEXT_LOST)
 
 
-def lost_context_in(exc: BaseException) -> Optional[CudaContextLost]:
+def lost_context_in(exc: BaseException) -> CudaContextLost | None:
     """The :class:`CudaContextLost` that ``exc`` is or was raised from, if any."""
     return next((e for e in exception_chain(exc) if isinstance(e, CudaContextLost)), None)

@@ -36,7 +36,8 @@ import logging
 import os
 import re
 import string
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from .bounded import call_within
 
@@ -76,7 +77,7 @@ def trace_path(template: str, rank: int, iteration: int) -> str:
     return template.format(rank=rank, iteration=iteration)
 
 
-def dump(path: str, timeout: float, c10d: Optional[Any] = None, bind: Optional[Callable[[], str]] = None) -> bool:
+def dump(path: str, timeout: float, c10d: Any | None = None, bind: Callable[[], str] | None = None) -> bool:
     """Writes the flight recorder to `path`; False (logged) when torch has no
     flight recorder, the dump failed or it did not finish within `timeout`.
 

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
+from collections.abc import Callable
+from typing import TypeVar
 
 from .. import _native
 
-Library = Union[_native.CudaDriver, _native.NcclLibrary, _native.NvmlLibrary, _native.CurrentDevice]
+Library = _native.CudaDriver | _native.NcclLibrary | _native.NvmlLibrary | _native.CurrentDevice
 
 _lock = threading.Lock()
-_cache: Dict[str, Tuple[Optional[Library], str]] = {}
+_cache: dict[str, tuple[Library | None, str]] = {}
 
 
-def _cached(kind: str, path: str, opener: Callable[[], Library]) -> Tuple[Optional[Library], str]:
+def _cached(kind: str, path: str, opener: Callable[[], Library]) -> tuple[Library | None, str]:
     key = f"{kind}:{path}"
     with _lock:
         if key not in _cache:
@@ -46,7 +47,7 @@ def _cached(kind: str, path: str, opener: Callable[[], Library]) -> Tuple[Option
 _Opened = TypeVar("_Opened", _native.CudaDriver, _native.CurrentDevice, _native.NvmlLibrary)
 
 
-def _opened(kind: str, variable: str, cls: type[_Opened]) -> Tuple[Optional[_Opened], str]:
+def _opened(kind: str, variable: str, cls: type[_Opened]) -> tuple[_Opened | None, str]:
     """The library of ``cls`` at the path ``variable`` names (its default where unset), opened once."""
     path = os.environ.get(variable, "")
     library, reason = _cached(kind, path, lambda: cls.open(path))
@@ -54,16 +55,16 @@ def _opened(kind: str, variable: str, cls: type[_Opened]) -> Tuple[Optional[_Ope
     return library, reason
 
 
-def cuda_driver() -> Tuple[Optional[_native.CudaDriver], str]:
+def cuda_driver() -> tuple[_native.CudaDriver | None, str]:
     return _opened("cuda", "INPROCESS_LIBCUDA", _native.CudaDriver)
 
 
-def current_device() -> Tuple[Optional[_native.CurrentDevice], str]:
+def current_device() -> tuple[_native.CurrentDevice | None, str]:
     """The driver calls that make a device current on a thread (the NCCL abort's)."""
     return _opened("current_device", "INPROCESS_LIBCUDA", _native.CurrentDevice)
 
 
-def torch_nccl_version() -> Optional[Tuple[int, int, int]]:
+def torch_nccl_version() -> tuple[int, int, int] | None:
     """The NCCL version torch was built with and loaded, None where torch has no NCCL."""
     try:
         import torch
@@ -76,16 +77,16 @@ def torch_nccl_version() -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def version_tuple(code: int) -> Tuple[int, int, int]:
+def version_tuple(code: int) -> tuple[int, int, int]:
     """NCCL_VERSION_CODE (X*10000 + Y*100 + Z since 2.9) as (X, Y, Z)."""
     return (code // 10000, (code // 100) % 100, code % 100)
 
 
-def nvml() -> Tuple[Optional[_native.NvmlLibrary], str]:
+def nvml() -> tuple[_native.NvmlLibrary | None, str]:
     return _opened("nvml", "INPROCESS_LIBNVML", _native.NvmlLibrary)
 
 
-def nccl() -> Tuple[Optional[_native.NcclLibrary], str]:
+def nccl() -> tuple[_native.NcclLibrary | None, str]:
     """The libnccl this process loaded (torch's); not cached while none is
     loaded, since torch loads it when its first NCCL group is made."""
     path = os.environ.get("INPROCESS_LIBNCCL", "")

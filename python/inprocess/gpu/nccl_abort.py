@@ -66,8 +66,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any
 
 from .. import _native
 from . import device as device_mod
@@ -99,11 +100,11 @@ class NcclRelease:
     pointers: int = 0
     device: int = -1
     device_message: str = ""  # why the device could not be made current, "" when it was
-    skipped: List[str] = field(default_factory=list)  # backends released by torch alone, and why
+    skipped: list[str] = field(default_factory=list)  # backends released by torch alone, and why
     revoked: bool = False
-    revoke_status: Optional[_native.GpuStatus] = None
+    revoke_status: _native.GpuStatus | None = None
     torch_aborted: int = 0
-    errors: List[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
 
 
@@ -180,7 +181,7 @@ def communicator(backend: Any, timeout: float) -> Communicator | Skipped:
     return Communicator(pointer, is_blocking(backend))
 
 
-def _use_device(library: Optional[_native.NcclLibrary], ordinal: int) -> str:
+def _use_device(library: _native.NcclLibrary | None, ordinal: int) -> str:
     """Makes `ordinal` current on this thread and on `library`'s worker."""
     driver, reason = libraries.current_device()
     if driver is None:
@@ -233,7 +234,7 @@ def _revoke(library: _native.NcclLibrary, backends: Sequence[Any], deadline: flo
     def left() -> float:
         return max(deadline - time.monotonic(), 0.0)
 
-    comms: List[Communicator] = []
+    comms: list[Communicator] = []
     may_run = False
     for backend in backends:
         found = communicator(backend, left())
@@ -268,7 +269,7 @@ class Aborts:
         self.backends = list(backends)
         self._started = [threading.Event() for _ in self.backends]
         self._done = [threading.Event() for _ in self.backends]
-        self._errors: List[Optional[BaseException]] = [None for _ in self.backends]
+        self._errors: list[BaseException | None] = [None for _ in self.backends]
         for i, backend in enumerate(self.backends):
             threading.Thread(target=self._run, args=(i, backend), name="inprocess-nccl-abort", daemon=True).start()
 
@@ -288,7 +289,7 @@ class Aborts:
     def finished(self) -> bool:
         return all(e.is_set() for e in self._done)
 
-    def wait(self, deadline: float) -> tuple[int, List[str]]:
+    def wait(self, deadline: float) -> tuple[int, list[str]]:
         """Until every abort returned, by `deadline`: (how many returned without an error, the errors).
         Raises :class:`NcclAbortTimeout` (and marks the process abandoned) past it."""
         for done in self._done:

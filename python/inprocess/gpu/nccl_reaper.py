@@ -45,7 +45,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import nccl_abort
 
@@ -58,7 +59,7 @@ class TeardownReport:
 
     backends: int
     aborted: int  # aborts that returned without an error
-    errors: List[str]
+    errors: list[str]
     took_s: float  # hand-over to the last abort's return, as the gate saw it
     waited_s: float  # how long the gate blocked (0: it was over before the restart needed it)
 
@@ -68,7 +69,7 @@ class _Teardown:
     aborts: nccl_abort.Aborts
     deadline: float  # time.monotonic() by which every abort must have returned
     handed_at: float
-    kept: List[Any] = dataclasses.field(default_factory=list)
+    kept: list[Any] = dataclasses.field(default_factory=list)
 
 
 class Reaper:
@@ -76,8 +77,8 @@ class Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._teardown: Optional[_Teardown] = None
-        self.last: Optional[TeardownReport] = None  # the last teardown the gate let through
+        self._teardown: _Teardown | None = None
+        self.last: TeardownReport | None = None  # the last teardown the gate let through
 
     def hand_over(self, backends: Sequence[Any], timeout: float, revoke: bool = False) -> nccl_abort.NcclRelease:
         """From the restart trigger: a teardown still running is awaited first, then (with `revoke`)
@@ -109,7 +110,7 @@ class Reaper:
             self._teardown.kept.extend(objects)
             return True
 
-    def wait(self) -> Optional[TeardownReport]:
+    def wait(self) -> TeardownReport | None:
         """The gate: until every abort handed over returned, by the teardown's deadline; None when
         none runs. What the teardown kept is let go here, in the calling thread. Past the deadline,
         :class:`~.errors.NcclAbortTimeout`; the teardown stays (its threads hold torch's locks, its

@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 import threading
-from typing import List, Mapping, Optional, Tuple
+from collections.abc import Mapping
 
 log = logging.getLogger("inprocess")
 
@@ -70,7 +70,7 @@ _warned = False
 _warned_lock = threading.Lock()
 
 
-def _first_set(env: Mapping[str, str], names: Tuple[str, ...]) -> Optional[Tuple[str, str]]:
+def _first_set(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
     """The variable torch reads: the first of `names` that is set (getCvar*
     gives the earlier names priority)."""
     for name in names:
@@ -80,7 +80,7 @@ def _first_set(env: Mapping[str, str], names: Tuple[str, ...]) -> Optional[Tuple
     return None
 
 
-def _cvar_bool(env: Mapping[str, str], name: str, default: bool) -> Optional[bool]:
+def _cvar_bool(env: Mapping[str, str], name: str, default: bool) -> bool | None:
     """What torch's getCvarBool reads from `name`; None for a value torch refuses."""
     value = env.get(name)
     if value is None:
@@ -93,12 +93,12 @@ def _cvar_bool(env: Mapping[str, str], name: str, default: bool) -> Optional[boo
     return None
 
 
-def contradictions(env: Optional[Mapping[str, str]] = None,
-                   nccl_version: Optional[Tuple[int, ...]] = None) -> List[str]:
+def contradictions(env: Mapping[str, str] | None = None,
+                   nccl_version: tuple[int, ...] | None = None) -> list[str]:
     """Each way `env` (os.environ by default) and the loaded NCCL differ from
     the settings above, one sentence each; empty when none does."""
     env = os.environ if env is None else env
-    found: List[str] = []
+    found: list[str] = []
 
     handling = _first_set(env, ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"))
     mode = handling[1].strip() if handling else "3"
@@ -133,7 +133,7 @@ def contradictions(env: Optional[Mapping[str, str]] = None,
     return found
 
 
-def _nccl_release_contradictions(version: Tuple[int, ...]) -> List[str]:
+def _nccl_release_contradictions(version: tuple[int, ...]) -> list[str]:
     shown = ".".join(str(v) for v in version[:3])
     found = [f"NCCL {shown}: {why}; use another NCCL release"
              for release, why in _ABORT_HANGS.items() if version[: len(release)] == release]
@@ -142,7 +142,7 @@ def _nccl_release_contradictions(version: Tuple[int, ...]) -> List[str]:
     return found
 
 
-def nccl_in_use() -> Tuple[bool, Optional[Tuple[int, ...]]]:
+def nccl_in_use() -> tuple[bool, tuple[int, ...] | None]:
     """Whether this process can run NCCL on a GPU, and the NCCL version
     torch reports. Reads torch only if it is already imported; creates no
     CUDA context (``torch.cuda.device_count`` does not)."""
@@ -161,8 +161,8 @@ def nccl_in_use() -> Tuple[bool, Optional[Tuple[int, ...]]]:
     return True, tuple(version) if isinstance(version, tuple) else None
 
 
-def warn_once(env: Optional[Mapping[str, str]] = None, in_use: Optional[bool] = None,
-              nccl_version: Optional[Tuple[int, ...]] = None) -> List[str]:
+def warn_once(env: Mapping[str, str] | None = None, in_use: bool | None = None,
+              nccl_version: tuple[int, ...] | None = None) -> list[str]:
     """Logs one warning, the first time it is called in this process, when
     NCCL is in use and the configuration contradicts the settings above.
     Returns what it warned about (empty: nothing, or already warned)."""

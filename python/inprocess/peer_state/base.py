@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from .arguments import check_arguments, check_step
 from .objects import Objects
@@ -44,10 +45,10 @@ class PeerState:
         self.rng = rng
         self.chunk_bytes = chunk_bytes
         self.snapshots = snapshots
-        self._copying: Optional[threading.Thread] = None
-        self._copy_error: Optional[BaseException] = None
-        self._live: Optional[Snapshot] = None  # "live": the snapshot that refers to the optimizers' tensors
-        self._hooks: List[Any] = []
+        self._copying: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        self._live: Snapshot | None = None  # "live": the snapshot that refers to the optimizers' tensors
+        self._hooks: list[Any] = []
         # This rank's two snapshots, one attribute, replaced in one store, so that an exception that
         # interrupts a snapshot can never leave both on the same, half-written buffer; a commit writes
         # into the one that is not the newest complete snapshot (kept_and_spare).
@@ -56,12 +57,12 @@ class PeerState:
         if required and not objects:
             raise ValueError(f"{kind}(): name at least one object, e.g. {kind}(model=model)")
         self._objects = Objects(kind, objects)
-        self._values: Dict[str, Any] = {}
-        self.last_restore: Optional[RestoreRecord] = None
+        self._values: dict[str, Any] = {}
+        self.last_restore: RestoreRecord | None = None
         self._hook_optimizers()
 
     @property
-    def step(self) -> Optional[int]:
+    def step(self) -> int | None:
         """The step of the last complete snapshot this rank holds of its state (None: none)."""
         complete = kept_and_spare(self._own)[0]
         return None if complete is None else complete.step
@@ -73,7 +74,7 @@ class PeerState:
         return 0 if complete is None else complete.nbytes
 
     @property
-    def values(self) -> Dict[str, Any]:
+    def values(self) -> dict[str, Any]:
         """The plain values given to :meth:`commit` with the snapshot last committed or restored."""
         return dict(self._values)
 
@@ -102,7 +103,7 @@ class PeerState:
         if live is not None:
             live.step = -1  # it referred to what this step changes: no longer the state of its step
 
-    def _take(self, values: Mapping[str, Any], step: int, spare: Optional[Snapshot]) -> Snapshot:
+    def _take(self, values: Mapping[str, Any], step: int, spare: Snapshot | None) -> Snapshot:
         """A snapshot of the objects at `step` into `spare`, as ``snapshots`` says (module docstring):
         in the background, its step stays -1 until the copy on the other thread ends."""
         self.wait_copy()

@@ -18,7 +18,8 @@ state never takes), and loading ``None`` clears its state.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def has_dtensors(obj: Any) -> bool:
     return any(isinstance(p, tensor.DTensor) for p in obj.parameters())
 
 
-def split(objects: Mapping[str, Any]) -> Tuple[Optional[str], List[str]]:
+def split(objects: Mapping[str, Any]) -> tuple[str | None, list[str]]:
     """The name of the registered DTensor module (None: none) and of the optimizers over
     its parameters; more than one DTensor module is refused."""
     modules = [name for name, obj in objects.items() if has_dtensors(obj)]
@@ -48,7 +49,7 @@ def split(objects: Mapping[str, Any]) -> Tuple[Optional[str], List[str]]:
     return modules[0], optimizers
 
 
-def read(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
+def read(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     """The module's state dict (optimizer None), or the optimizer's by FQN (None before its first step)."""
     from torch.distributed.checkpoint import state_dict as dcp
 
@@ -59,7 +60,7 @@ def read(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) ->
     return dcp.get_optimizer_state_dict(module, optimizer)
 
 
-def described(node: Any, tensors: List[torch.Tensor]) -> Dict[str, str]:
+def described(node: Any, tensors: list[torch.Tensor]) -> dict[str, str]:
     """Every tensor of an encoded state dict by its path: its dtype and local shape, and for a
     DTensor its placements, global shape and mesh shape."""
     found = {}
@@ -79,10 +80,10 @@ def holds_dtensors(node: Any) -> bool:
     return any("DT" in leaf for leaf in leaves(node).values())
 
 
-def check(name: str, held: Any, held_tensors: List[torch.Tensor], live: Any) -> None:
+def check(name: str, held: Any, held_tensors: list[torch.Tensor], live: Any) -> None:
     """Raises, naming the first difference, unless the snapshot's node `held` has the same
     FQNs, placements and shapes as `live` (this iteration's state dict)."""
-    live_tensors: List[torch.Tensor] = []
+    live_tensors: list[torch.Tensor] = []
     expected = described(encode(live, live_tensors), live_tensors)
     found = described(held, held_tensors)
     if found == expected:
@@ -111,7 +112,7 @@ def rewrap(value: Any, live: Any) -> Any:
 
 
 def live(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], held: Mapping[str, Any],
-         tensors: List[torch.Tensor], module_name: str) -> Dict[str, Any]:
+         tensors: list[torch.Tensor], module_name: str) -> dict[str, Any]:
     """This iteration's state dicts of the module and of each optimizer whose snapshot is not
     None (reading initialises a fresh optimizer's state), each checked against the snapshot."""
     from torch.distributed.checkpoint import state_dict as dcp
@@ -126,7 +127,7 @@ def live(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer
 
 
 def write(module: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], held: Mapping[str, Any],
-          tensors: List[torch.Tensor], states: Mapping[str, Any], module_name: str, transient: bool) -> None:
+          tensors: list[torch.Tensor], states: Mapping[str, Any], module_name: str, transient: bool) -> None:
     """Loads the module's part, then each optimizer's (cleared where its snapshot is None);
     `states`: :func:`live`'s. `transient`: as in :meth:`Objects.write`."""
     from torch.distributed.checkpoint import state_dict as dcp

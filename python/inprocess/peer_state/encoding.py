@@ -12,14 +12,14 @@ principle 5).
 from __future__ import annotations
 
 import sys
-from typing import Any, List
+from typing import Any
 
 import torch
 
 PLAIN = (bool, int, float, str, type(None))
 
 
-def encode(value: Any, tensors: List[torch.Tensor], path: str = "") -> Any:
+def encode(value: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
     """`value`'s skeleton; its tensors appended to `tensors` in the order they are met."""
     if isinstance(value, torch.Tensor):
         distributed = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
@@ -45,7 +45,7 @@ def encode(value: Any, tensors: List[torch.Tensor], path: str = "") -> Any:
                     "expected tensors and plain data (numbers, strings, None, lists, tuples, dicts) only")
 
 
-def decode(node: Any, tensors: List[torch.Tensor], clone: bool) -> Any:
+def decode(node: Any, tensors: list[torch.Tensor], clone: bool) -> Any:
     """The value `node` encodes, its tensors taken from `tensors` (copies when `clone`)."""
     (tag, body), = node.items()
     if tag in ("T", "DT"):
@@ -92,10 +92,10 @@ def without_tensors(node: Any) -> Any:
     return node
 
 
-def in_place(held: Any, tensors: List[torch.Tensor], live: Any) -> bool:
+def in_place(held: Any, tensors: list[torch.Tensor], live: Any) -> bool:
     """Whether the snapshot's node `held` is the `live` state as it is: the same plain values,
     and every tensor the live state's own tensor at its path."""
-    own: List[torch.Tensor] = []
+    own: list[torch.Tensor] = []
     encoded = encode(live, own)
     if without_tensors(held) != without_tensors(encoded):
         return False

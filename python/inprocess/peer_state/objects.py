@@ -10,7 +10,8 @@ iteration builds anew (an FSDP2 module is bound to the process group it was shar
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Set, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class Objects:
 
     def __init__(self, kind: str, objects: Mapping[str, Any]) -> None:
         self.kind = kind
-        self._objects: Dict[str, Any] = {}
+        self._objects: dict[str, Any] = {}
         if objects:
             self.replace(objects)
 
@@ -37,7 +38,7 @@ class Objects:
         self._objects = dict(objects)
         distributed.split(self._objects)  # at most one DTensor module: refused here, not at the first commit
 
-    def read(self) -> Dict[str, Any]:
+    def read(self) -> dict[str, Any]:
         """Every object's state, by name (live: its tensors are the objects' own)."""
         if not self._objects:
             raise RuntimeError(f"{self.kind}: no object registered: name them in {self.kind}(model=..., ...) or in "
@@ -54,20 +55,20 @@ class Objects:
                 states[name] = obj.state_dict()
         return states
 
-    def optimizers(self) -> List[torch.optim.Optimizer]:
+    def optimizers(self) -> list[torch.optim.Optimizer]:
         return [obj for obj in self._objects.values() if isinstance(obj, torch.optim.Optimizer)]
 
-    def optimized(self) -> Set[Tuple[int, int, torch.dtype]]:
+    def optimized(self) -> set[tuple[int, int, torch.dtype]]:
         """The :func:`storage_key` of every parameter of the registered optimizers and of every
         tensor of their state: what their ``step()`` changes."""
-        keys: Set[Tuple[int, int, torch.dtype]] = set()
+        keys: set[tuple[int, int, torch.dtype]] = set()
         for optimizer in self.optimizers():
             tensors = [p for group in optimizer.param_groups for p in group["params"]]
             tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
             keys.update(storage_key(t) for t in tensors)
         return keys
 
-    def live(self, held: Mapping[str, Any], tensors: List[torch.Tensor]) -> Dict[str, Any]:
+    def live(self, held: Mapping[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
         """This iteration's state of every object, by name, checked against the snapshot's
         nodes (`held`, still encoded, with its `tensors`, or tensors of their shapes) before
         anything is written: a name the snapshot lacks, DTensors where the object has none, a
@@ -91,13 +92,13 @@ class Objects:
                                            tensors, module))
         return states
 
-    def destinations(self, held: Mapping[str, Any], tensors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
+    def destinations(self, held: Mapping[str, Any], tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """The snapshot's tensors that can be received in place, into the objects' own tensors of
         the same path, shape and dtype (contiguous, in host memory): by their index in the snapshot."""
         live = self.live(held, tensors)
-        into: Dict[int, torch.Tensor] = {}
+        into: dict[int, torch.Tensor] = {}
         for name, state in live.items():
-            own: List[torch.Tensor] = []
+            own: list[torch.Tensor] = []
             theirs = leaves(encode(state, own))
             for path, leaf in leaves(held[name]).items():
                 mine = theirs.get(path)
@@ -108,7 +109,7 @@ class Objects:
                     into[index_of(leaf)] = t
         return into
 
-    def write(self, held: Mapping[str, Any], tensors: List[torch.Tensor], transient: bool = False) -> None:
+    def write(self, held: Mapping[str, Any], tensors: list[torch.Tensor], transient: bool = False) -> None:
         """The snapshot's nodes (`held`, by name, still encoded) into the objects, checked first
         (:meth:`live`). An object whose every tensor is its own already (received in place, or a
         "live" snapshot) and whose plain values are the same is not loaded again. `transient`:

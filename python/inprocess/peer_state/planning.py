@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
-Held = List[Tuple[int, int]]  # a rank's (shard, step) pairs: its own snapshots, then its copies; (-1, -1): none
+Held = list[tuple[int, int]]  # a rank's (shard, step) pairs: its own snapshots, then its copies; (-1, -1): none
 
 
 def node_key() -> str:
@@ -18,7 +18,7 @@ def node_key() -> str:
     return f"host={socket.gethostname()}"
 
 
-def partners(nodes: List[int], distance: Optional[int] = None) -> List[int]:
+def partners(nodes: list[int], distance: int | None = None) -> list[int]:
     """The partner of each rank (whose shard it keeps a copy of), from each rank's node.
 
     Ranks are ordered by node, then rank; each rank's partner is the rank `distance`
@@ -34,10 +34,10 @@ def partners(nodes: List[int], distance: Optional[int] = None) -> List[int]:
     return [order[(position[r] + distance) % world] for r in range(world)]
 
 
-Route = Tuple[int, Tuple[int, ...]]  # a source and the ranks it sends one snapshot to
+Route = tuple[int, tuple[int, ...]]  # a source and the ranks it sends one snapshot to
 
 
-def routes(holders: Sequence[int], receivers: Sequence[int]) -> List[Route]:
+def routes(holders: Sequence[int], receivers: Sequence[int]) -> list[Route]:
     """Each holder sends to an equal share of the receivers (in turn: the first holder the 1st,
     (h+1)-th, ... receiver), so that no holder serves more than its share; a holder without
     receivers has no route."""
@@ -47,7 +47,7 @@ def routes(holders: Sequence[int], receivers: Sequence[int]) -> List[Route]:
     return [(holder, share) for holder, share in shares if share]
 
 
-def replicated_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> Optional[Tuple[int, List[Route]]]:
+def replicated_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> tuple[int, list[Route]] | None:
     """ReplicatedState's restore, from every rank's row ``[group key, step held, step held]``
     (-1: none) by global rank: the newest step that every group has a holder of (None: none),
     and the routes within the group of `members` (its global ranks by group rank), in group ranks."""
@@ -63,7 +63,7 @@ def replicated_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> Op
     return step, routes(holders, receivers)
 
 
-def held_table(rows: Sequence[Sequence[int]]) -> List[Held]:
+def held_table(rows: Sequence[Sequence[int]]) -> list[Held]:
     """Every rank's row of flattened (shard, step) pairs, as pairs."""
     return [[(row[i], row[i + 1]) for i in range(0, len(row), 2)] for row in rows]
 
@@ -74,7 +74,7 @@ def complete_steps(table: Sequence[Held], world: int) -> set[int]:
     return {step for step in steps if all(any((shard, step) in row for row in table) for shard in range(world))}
 
 
-def sources_at(table: Sequence[Held], world: int, step: int) -> List[int]:
+def sources_at(table: Sequence[Held], world: int, step: int) -> list[int]:
     """Who sends each shard of `step`: its own rank where it holds it, else the lowest holder."""
     sources = []
     for shard in range(world):
@@ -83,7 +83,7 @@ def sources_at(table: Sequence[Held], world: int, step: int) -> List[int]:
     return sources
 
 
-def plan_shards(table: Sequence[Held], world: int) -> Union[Tuple[int, List[int]], str]:
+def plan_shards(table: Sequence[Held], world: int) -> tuple[int, list[int]] | str:
     """The newest step at which every shard 0..world-1 is held, and who sends each
     (the shard's own rank where it holds it); else why not, in one line."""
     steps = complete_steps(table, world)
@@ -93,11 +93,11 @@ def plan_shards(table: Sequence[Held], world: int) -> Union[Tuple[int, List[int]
     return step, sources_at(table, world, step)
 
 
-def sharded_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> Union[Tuple[int, List[int]], str]:
+def sharded_plan(rows: Sequence[Sequence[int]], members: Sequence[int]) -> tuple[int, list[int]] | str:
     """ShardedState's restore, from every rank's row ``[group key, group size, (shard, step) x 4]``
     by global rank: the newest step at which every group holds every one of its shards, and who
     sends each shard of the group of `members` (group ranks); else why not, in one line."""
-    groups: dict[int, List[Held]] = {}
+    groups: dict[int, list[Held]] = {}
     sizes: dict[int, int] = {}
     for key, size, *pairs in rows:
         groups.setdefault(key, []).extend(held_table([pairs]))

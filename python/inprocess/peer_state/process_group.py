@@ -12,7 +12,8 @@ one chunk at a time. The ranks' rows of integers travel in one all_reduce.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from .transport import Transport
 class ProcessGroupTransport(Transport):
     """torch.distributed point to point over `group` (None: the default group)."""
 
-    def __init__(self, group: Optional[Any], chunk_bytes: int) -> None:
+    def __init__(self, group: Any | None, chunk_bytes: int) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -34,12 +35,12 @@ class ProcessGroupTransport(Transport):
         self.members = list(range(self.world)) if group is None else dist.get_process_group_ranks(group)
         self.key = min(self.members)
         if dist.get_backend(group) == "nccl":
-            self.staging: Optional[torch.Tensor] = torch.empty(chunk_bytes, dtype=torch.uint8,
+            self.staging: torch.Tensor | None = torch.empty(chunk_bytes, dtype=torch.uint8,
                                                                device=torch.device("cuda", torch.cuda.current_device()))
         else:
             self.staging = None
 
-    def rows(self, row: Sequence[int]) -> List[List[int]]:
+    def rows(self, row: Sequence[int]) -> list[list[int]]:
         """One all_reduce (a sum) of a matrix that holds zeros but in this rank's row."""
         import torch.distributed as dist
 
@@ -49,7 +50,7 @@ class ProcessGroupTransport(Transport):
         dist.all_reduce(rows, group=self.group)
         return [[int(x) for x in r] for r in rows.tolist()]
 
-    def chunks(self, data: torch.Tensor, receivers: int) -> List[torch.Tensor]:
+    def chunks(self, data: torch.Tensor, receivers: int) -> list[torch.Tensor]:
         """`data` in the chunks it travels in: at most ``chunk_bytes``, and small enough that a
         chain of `receivers` fills in a few percent of the time (a 16th of a receiver's share),
         not below 256 KiB. Sender and receivers compute the same from what both know."""
@@ -78,14 +79,14 @@ class ProcessGroupTransport(Transport):
             return snapshot.nbytes
         return finish
 
-    def receive(self, source: int, receivers: Sequence[int], spare: Optional[Snapshot] = None,
-                destinations: Optional[wire.Destinations] = None) -> Snapshot:
+    def receive(self, source: int, receivers: Sequence[int], spare: Snapshot | None = None,
+                destinations: wire.Destinations | None = None) -> Snapshot:
         import torch.distributed as dist
 
         at = list(receivers).index(self.rank)
         before = self.members[source if at == 0 else receivers[at - 1]]
         after = self.members[receivers[at + 1]] if at + 1 < len(receivers) else None
-        passing: List[Any] = []
+        passing: list[Any] = []
 
         def piece(data: torch.Tensor) -> None:
             chunks = self.chunks(data, len(receivers))
@@ -110,7 +111,7 @@ class ProcessGroupTransport(Transport):
                 work.wait()
         return received
 
-    def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Optional[Snapshot]) -> Snapshot:
+    def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Snapshot | None) -> Snapshot:
         """Sends are posted first, non-blocking, so that the ring never waits on itself
         (host memory only: a private gloo group)."""
         finish = self.send(snapshot, [keeper])

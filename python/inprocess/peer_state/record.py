@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreRecord:
     """What the last :meth:`ReplicatedState.restore` (or :meth:`ShardedState.restore`) did."""
 
-    step: Optional[int]  # the step every rank resumed at; None: no rank held a committed state
-    source: Optional[int]  # the group rank that sent it; None when nobody needed it (or several sent)
-    receivers: Tuple[int, ...]  # the group ranks that lacked it
+    step: int | None  # the step every rank resumed at; None: no rank held a committed state
+    source: int | None  # the group rank that sent it; None when nobody needed it (or several sent)
+    receivers: tuple[int, ...]  # the group ranks that lacked it
     nbytes: int  # the bytes this rank received (0: it received nothing)
     seconds: float  # the whole restore on this rank
     sent: int = 0  # the bytes this rank sent, to every receiver together

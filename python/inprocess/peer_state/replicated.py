@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 from .arguments import DEFAULT_CHUNK_BYTES
 from .base import PeerState
@@ -51,7 +51,7 @@ class ReplicatedState(PeerState):
         self._values = dict(values)
         return True
 
-    def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
+    def restore(self, group: Any | None = None, **objects: Any) -> int | None:
         """Collective over the default process group, on every rank of the new iteration
         before its first step: the newest step at which every `group` (default: the
         default group; each rank names its own, e.g. its data-parallel group) has a rank
@@ -85,8 +85,8 @@ class ReplicatedState(PeerState):
         self._say(local.rank, snapshot.nbytes)
         return step
 
-    def _move(self, transport: Transport, step: int, moves: List[Route],
-              mine: Optional[Snapshot]) -> Tuple[Snapshot, Optional[int], int, int]:
+    def _move(self, transport: Transport, step: int, moves: list[Route],
+              mine: Snapshot | None) -> tuple[Snapshot, int | None, int, int]:
         """This rank's part of the routes, and the load: the snapshot of `step`, the source of
         this rank's route (None: no route), and the bytes it received and sent. A source loads
         while its snapshot leaves; a receiver receives in place where it can, and keeps no buffer

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Dict, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 
-def capture() -> Dict[str, Any]:
-    states: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def capture() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import zlib
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 from .arguments import DEFAULT_CHUNK_BYTES, is_int
 from .base import PeerState
@@ -43,7 +43,7 @@ class ShardedState(PeerState):
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 distance: Optional[int] = None, snapshots: str = "copy", **objects: Any) -> None:
+                 distance: int | None = None, snapshots: str = "copy", **objects: Any) -> None:
         if snapshots == "live":  # its copy travels to the keeper while the next step runs: it must be a copy
             raise ValueError("ShardedState(snapshots='live'): expected 'copy' or 'background' (a shard's copy is "
                              "sent to its keeper while the next step runs)")
@@ -52,15 +52,15 @@ class ShardedState(PeerState):
             raise ValueError(f"ShardedState(distance={distance!r}): expected an int >= 1 or None")
         self.distance = distance
         self._copy: Pair = (None, None)  # the partner's
-        self._exchange: Optional[Transport] = None  # over the private gloo group of this iteration
-        self._ring: Tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
-        self.keeper: Optional[int] = None  # the global rank that keeps this rank's copy in this iteration
-        self._pending: Optional[threading.Thread] = None
-        self._exchange_error: Optional[BaseException] = None
+        self._exchange: Transport | None = None  # over the private gloo group of this iteration
+        self._ring: tuple[int, int, int, int] = (0, 1, 0, 0)  # rank, world, the holder of my copy, my partner
+        self.keeper: int | None = None  # the global rank that keeps this rank's copy in this iteration
+        self._pending: threading.Thread | None = None
+        self._exchange_error: BaseException | None = None
         self._one_node_said = False
 
     @property
-    def copy_step(self) -> Optional[int]:
+    def copy_step(self) -> int | None:
         """The step of the partner's shard this rank holds a complete, checked copy of."""
         complete = self._copy[0]
         return None if complete is None else complete.step
@@ -116,7 +116,7 @@ class ShardedState(PeerState):
         except BaseException as e:  # the restart's abort of the group, a peer's death: kept for wait()
             self._exchange_error = e
 
-    def restore(self, group: Optional[Any] = None, **objects: Any) -> Optional[int]:
+    def restore(self, group: Any | None = None, **objects: Any) -> int | None:
         """Collective over the default process group, on every rank of the new iteration
         before its first step (and before any commit in it): the state is sharded within
         `group` (default: the default group; each rank names its own, e.g. its data-parallel
@@ -161,7 +161,7 @@ class ShardedState(PeerState):
                      f"; sent to rank(s) {', '.join(map(str, receivers))}" if receivers else " by its own rank")
         return step
 
-    def _pair_up(self, local: Transport, nodes: List[int]) -> None:
+    def _pair_up(self, local: Transport, nodes: list[int]) -> None:
         """This iteration's partners within the group (by the members' nodes) and the private
         gloo group of the copies' exchange."""
         import torch.distributed as dist
@@ -183,7 +183,7 @@ class ShardedState(PeerState):
         self._ring = (local.rank, local.world, keeper, partner)
         self._key = local.key
 
-    def _held_row(self, local: Transport) -> List[int]:
+    def _held_row(self, local: Transport) -> list[int]:
         """This rank's (shard, step) pairs, flattened: its two own snapshots, then its two copies
         ((-1, -1) for none, and for a snapshot committed in another group or number of shards)."""
         mine = []
@@ -193,14 +193,14 @@ class ShardedState(PeerState):
             mine += [snapshot.shard, snapshot.step] if usable and snapshot is not None else [-1, -1]
         return mine
 
-    def _held(self, shard: int, step: int) -> Optional[Snapshot]:
+    def _held(self, shard: int, step: int) -> Snapshot | None:
         """This rank's snapshot of `shard` at `step`: its own or a partner's copy (complete ones only)."""
         for snapshot in (*self._own, *self._copy):
             if snapshot is not None and snapshot.shard == shard and snapshot.step == step:
                 return snapshot
         return None
 
-    def _move_shards(self, transport: Transport, step: int, sources: List[int]) -> Tuple[Snapshot, int, int]:
+    def _move_shards(self, transport: Transport, step: int, sources: list[int]) -> tuple[Snapshot, int, int]:
         """Each shard its rank lacks, from the rank that `sources` names, in shard order:
         this rank's shard of `step`, and the bytes it received and sent."""
         rank = transport.rank

@@ -13,7 +13,9 @@ import ctypes
 import dataclasses
 import json
 import zlib
-from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 
@@ -29,7 +31,7 @@ class Snapshot:
 
     step: int
     skeleton: str
-    tensors: List[torch.Tensor]
+    tensors: list[torch.Tensor]
     shard: int = -1  # ShardedState: the rank whose shard it is (its rank when it committed)
     world: int = 0  # ShardedState: how many shards the state had then
     checksum: int = 0  # ShardedState: of the tensors' bytes, as the committing rank computed it
@@ -39,13 +41,13 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def layout(self) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+    def layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Its tensors' shapes and dtypes: a buffer of the same layout takes another snapshot
         (whatever its plain values: a data loader's position changes at every commit)."""
         return [(tuple(t.shape), t.dtype) for t in self.tensors]
 
 
-Pair = Tuple[Optional[Snapshot], Optional[Snapshot]]  # two buffers: a snapshot, and another (older, or being written)
+Pair = tuple[Snapshot | None, Snapshot | None]  # two buffers: a snapshot, and another (older, or being written)
 
 
 def kept_and_spare(pair: Pair) -> Pair:
@@ -58,21 +60,21 @@ def kept_and_spare(pair: Pair) -> Pair:
     return None, a if a is not None else b
 
 
-def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> Dict[str, Any]:
+def state_of(objects: Objects, values: Mapping[str, Any], rng: bool) -> dict[str, Any]:
     """What a snapshot holds, live: the objects' state dicts, the plain values, the RNG states."""
     return {"objects": objects.read(), "values": dict(values), "rng": rng_states.capture() if rng else None}
 
 
-def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spare: Optional[Snapshot],
-         deferred: AbstractSet[Tuple[int, int, torch.dtype]] = frozenset(),
-         refer: bool = False) -> Tuple[Snapshot, Callable[[], None]]:
+def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spare: Snapshot | None,
+         deferred: AbstractSet[tuple[int, int, torch.dtype]] = frozenset(),
+         refer: bool = False) -> tuple[Snapshot, Callable[[], None]]:
     """The objects' state, `values` and the RNG states, copied into `spare` (reused when its
     layout fits, else a new buffer): every tensor now but those whose :func:`storage_key` is in
     `deferred`; the function returned copies those and only then marks the snapshot complete
     (its step). Call it at once, or on another thread before any of those tensors changes.
     `refer`: those are not copied; the snapshot refers to them (it is the state of its step
     only until they change)."""
-    live: List[torch.Tensor] = []
+    live: list[torch.Tensor] = []
     skeleton = json.dumps(encode(state_of(objects, values, rng), live), separators=(",", ":"))
     if spare is None or spare.layout() != [(tuple(t.shape), t.dtype) for t in live]:
         pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
@@ -110,7 +112,7 @@ def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spar
     return snapshot, finish
 
 
-def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = False) -> Dict[str, Any]:
+def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = False) -> dict[str, Any]:
     """`snapshot` into the live objects (and the RNG states); its plain values. `transient`: its
     tensors are not kept as a buffer (:meth:`Objects.write`)."""
     by_key = parts(json.loads(snapshot.skeleton))
@@ -118,12 +120,12 @@ def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = Fals
     states = decode(by_key["rng"], snapshot.tensors, clone=True)
     if rng and states is not None:
         rng_states.restore(states)
-    values: Dict[str, Any] = decode(by_key["values"], snapshot.tensors, clone=True)
+    values: dict[str, Any] = decode(by_key["values"], snapshot.tensors, clone=True)
     return values
 
 
 def destinations(objects: Objects, skeleton: str,
-                 shapes: List[Tuple[Tuple[int, ...], torch.dtype]]) -> Dict[int, torch.Tensor]:
+                 shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> dict[int, torch.Tensor]:
     """For a snapshot about to be received (its skeleton, its tensors' shapes and dtypes): the
     objects' own tensors it can be received into, by index, after the objects are checked
     against it (:meth:`Objects.destinations`)."""

@@ -17,7 +17,7 @@ of its own.
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from .snapshot import Snapshot
 from .wire import Destinations
@@ -28,11 +28,11 @@ class Transport(abc.ABC):
 
     rank: int  # this process's rank in the group
     world: int  # the group's size
-    members: List[int]  # the group's global ranks, by group rank
+    members: list[int]  # the group's global ranks, by group rank
     key: int  # the lowest of them: names the group in a snapshot (0: the default group)
 
     @abc.abstractmethod
-    def rows(self, row: Sequence[int]) -> List[List[int]]:
+    def rows(self, row: Sequence[int]) -> list[list[int]]:
         """Every rank's `row` of integers (the same length everywhere), by group rank."""
 
     @abc.abstractmethod
@@ -42,13 +42,13 @@ class Transport(abc.ABC):
         has left and says how many bytes this rank sent. `snapshot` must not change meanwhile."""
 
     @abc.abstractmethod
-    def receive(self, source: int, receivers: Sequence[int], spare: Optional[Snapshot] = None,
-                destinations: Optional[Destinations] = None) -> Snapshot:
+    def receive(self, source: int, receivers: Sequence[int], spare: Snapshot | None = None,
+                destinations: Destinations | None = None) -> Snapshot:
         """Called by each rank of `receivers` (the same sequence the source sends to): the
         snapshot `source` sends, written into `spare` where its layout fits, or in place
         into the tensors `destinations` names (:func:`inprocess.peer_state.wire.read`)."""
 
     @abc.abstractmethod
-    def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Optional[Snapshot]) -> Snapshot:
+    def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Snapshot | None) -> Snapshot:
         """Every rank at once: sends `snapshot` to `keeper` and receives `partner`'s (a ring:
         each rank is one rank's keeper and another's partner)."""

@@ -9,7 +9,7 @@ reuses a spare whose layout fits), then reads the tensors into place.
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 
@@ -28,18 +28,18 @@ def header(snapshot: Snapshot) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
-def pieces(snapshot: Snapshot) -> List[torch.Tensor]:
+def pieces(snapshot: Snapshot) -> list[torch.Tensor]:
     """Every byte tensor of `snapshot` in the order they travel."""
     encoded = header(snapshot)
     length = torch.tensor([encoded.numel()], dtype=torch.int64)
     return [byte_view(length), encoded] + [byte_view(t) for t in snapshot.tensors]
 
 
-Destinations = Callable[[str, List[Tuple[Tuple[int, ...], torch.dtype]]], Dict[int, torch.Tensor]]
+Destinations = Callable[[str, list[tuple[tuple[int, ...], torch.dtype]]], dict[int, torch.Tensor]]
 
 
-def read(receive: Callable[[torch.Tensor], None], spare: Optional[Snapshot],
-         destinations: Optional[Destinations] = None) -> Snapshot:
+def read(receive: Callable[[torch.Tensor], None], spare: Snapshot | None,
+         destinations: Destinations | None = None) -> Snapshot:
     """What :func:`pieces` sent, each piece filled in by `receive`: into `spare` where its
     layout fits, else into new buffers, except the tensors that `destinations` (given the
     skeleton and the tensors' shapes and dtypes, before any tensor is received) maps to a

@@ -42,8 +42,14 @@ import os
 import signal
 import sys
 import threading
+import types
 import typing
-from typing import Any, Callable, ClassVar, NoReturn, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -163,7 +169,7 @@ def _fields_of(cls: type) -> tuple[_Field, ...]:
     for f in dataclasses.fields(cls):
         kind, optional = hints[f.name], False
         args = typing.get_args(kind)
-        if typing.get_origin(kind) is typing.Union and type(None) in args:
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:  # Optional[X], X | None
             (kind,) = [a for a in args if a is not type(None)]
             optional = True
         if kind not in _TYPE_WORDS:
@@ -192,8 +198,8 @@ class HelperConfig:
     stop_grace_s: ClassVar[float] = 5.0  # SIGTERM -> SIGKILL in HelperProcess.stop
 
     log_level: str = option("log level", one_of(*LOG_LEVELS), default="WARNING")
-    logfile: Optional[str] = option("append the log to this file (default: stderr)", default=None)
-    log_format: Optional[str] = option("the format (logging, %%-style) of the lines on stderr: the rank passes its own "
+    logfile: str | None = option("append the log to this file (default: stderr)", default=None)
+    log_format: str | None = option("the format (logging, %%-style) of the lines on stderr: the rank passes its own "
                                        "(default, or with --logfile: time, process, pid and level)", default=None)
 
     def __post_init__(self) -> None:
@@ -239,7 +245,7 @@ class HelperConfig:
         return {name: text for name, text in given.items() if text is not None}
 
     @classmethod
-    def from_options(cls: type[Config], options: dict[str, str]) -> Config:
+    def from_options(cls, options: dict[str, str]) -> Self:
         values: dict[str, Any] = {}
         for f in _fields_of(cls):
             if f.name in options:
@@ -253,7 +259,7 @@ class HelperConfig:
             raise ConfigError(e.owner, e.name, options.get(e.name, e.value), e.expected) from None
 
     @classmethod
-    def from_argv(cls: type[Config], argv: Sequence[str]) -> Config:
+    def from_argv(cls, argv: Sequence[str]) -> Self:
         return cls.from_options(cls.options(argv))
 
 
@@ -283,7 +289,7 @@ class MonitorConfig(StoreClientConfig):
     pid: int = option("pid of the rank process", POSITIVE)
     grace_s: float = option("SIGTERM -> SIGKILL grace after a hard timeout (termination_grace_time)", NON_NEGATIVE)
     kill_wait_s: float = option("after SIGKILL, how long to wait to see the death", POSITIVE, default=5.0)
-    world_size: Optional[int] = option(
+    world_size: int | None = option(
         "initial world size: lets the monitor arrive at barrier 0 for a rank that died before it", POSITIVE,
         default=None)
     store_timeout_s: float = option("deadline of every store operation (and of connecting)", POSITIVE)
@@ -292,7 +298,7 @@ class MonitorConfig(StoreClientConfig):
                                          NON_NEGATIVE, default=0.0)
     heartbeat_timeout_s: float = option("count a peer out when its monitor's counter stood still this long (0: off)",
                                         NON_NEGATIVE, default=0.0)
-    pidfile: Optional[str] = option("written with the monitor's pid once it watches the rank; removed on every exit",
+    pidfile: str | None = option("written with the monitor's pid once it watches the rank; removed on every exit",
                                     default=None)
     join_token: str = option("the rank joins a running job with this token (control/joining.py; '': it does not)",
                              NO_SLASH, default="")
@@ -349,7 +355,7 @@ class StopRequest(threading.Event):
 
     def __init__(self) -> None:
         super().__init__()
-        self.signal: Optional[signal.Signals] = None
+        self.signal: signal.Signals | None = None
         self._first = threading.Lock()
 
     def set(self) -> None:
@@ -364,7 +370,7 @@ class StopRequest(threading.Event):
 
 
 def run_helper(config_type: type[Config], body: Callable[[Config, StopRequest], int],
-               argv: Optional[Sequence[str]] = None) -> NoReturn:
+               argv: Sequence[str] | None = None) -> NoReturn:
     """The ``main`` of a helper process: read and check its configuration (exit
     2 if bad), set up its log, route its stop signals to a :class:`StopRequest`,
     run ``body``, and leave with the status it returns (4 if it raised)."""
@@ -424,7 +430,7 @@ def rank_log_format() -> str:
     writes to the same stderr: the first handler's on the way up from that logger, else what Python
     shows without any handler (the message alone). A format of another style than %% gives the
     message alone too."""
-    logger: Optional[logging.Logger] = logging.getLogger("inprocess")
+    logger: logging.Logger | None = logging.getLogger("inprocess")
     while logger is not None:
         for handler in logger.handlers:
             formatter = handler.formatter

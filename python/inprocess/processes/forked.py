@@ -36,7 +36,8 @@ import os
 import select
 import signal
 import subprocess
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .contract import EXIT_INTERNAL, HelperConfig, StopRequest, leave, serve_config
 from .helper_process import HelperProcess
@@ -53,17 +54,17 @@ class ForkedChild:
     def __init__(self, pid: int, args: list[str]):
         self.pid = pid
         self.args = args
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid == self.pid:
                 self._reaped(status)
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             if timeout is not None and not select.select([self._pidfd], [], [], max(0.0, timeout))[0]:
                 raise subprocess.TimeoutExpired(self.args, timeout)

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import time
 import typing
-from typing import Optional
 
 from .contract import READY, HelperConfig
 
@@ -21,10 +20,10 @@ class ChildProcess(typing.Protocol):
     """The part of ``subprocess.Popen`` a handle uses (a forked child has it too)."""
 
     pid: int
-    returncode: Optional[int]
+    returncode: int | None
 
-    def poll(self) -> Optional[int]: ...
-    def wait(self, timeout: Optional[float] = None) -> int: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
     def send_signal(self, sig: int) -> None: ...
     def terminate(self) -> None: ...
     def kill(self) -> None: ...
@@ -39,8 +38,8 @@ class HelperProcess:
         self.ready = ready  # what followed "ready" on its ready pipe ("" without one)
 
     @classmethod
-    def start(cls, config: HelperConfig, *, env: Optional[dict[str, str]] = None,
-              ready_timeout_s: Optional[float] = None) -> HelperProcess:
+    def start(cls, config: HelperConfig, *, env: dict[str, str] | None = None,
+              ready_timeout_s: float | None = None) -> HelperProcess:
         """Fork and exec a fresh interpreter running the helper.
 
         The descriptors named by the config's ``inherited_fds`` are the only ones
@@ -99,17 +98,17 @@ class HelperProcess:
         return self.popen.pid
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self.popen.returncode
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         """Its exit status if it has exited (and reaps it then), else None."""
         return self.popen.poll()
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def wait_exit(self, timeout_s: Optional[float]) -> bool:
+    def wait_exit(self, timeout_s: float | None) -> bool:
         """True once it exited by itself within ``timeout_s`` (reaped)."""
         try:
             self.popen.wait(timeout_s)
@@ -117,7 +116,7 @@ class HelperProcess:
         except subprocess.TimeoutExpired:
             return False
 
-    def stop(self, grace_s: Optional[float] = None) -> Optional[int]:
+    def stop(self, grace_s: float | None = None) -> int | None:
         """SIGCONT (a frozen process would not see what follows) and SIGTERM;
         SIGKILL if it is still there after ``grace_s`` (the config's
         ``stop_grace_s`` by default). Reaped either way; returns its status."""

@@ -45,7 +45,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from .. import _native
 from ..control import phases, seats
@@ -110,7 +111,7 @@ class PeerWatch:
         self.last: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self.dormant: set[int] = set()  # gone on purpose, or counted lost: not timed until it moves
         self.exists: set[int] = set()
-        self.first_look: Optional[float] = None  # the silence of a counter never seen is timed from here
+        self.first_look: float | None = None  # the silence of a counter never seen is timed from here
 
     def _confirm(self, store: Any) -> None:
         """multi_get waits for missing keys: read only counters known to exist.
@@ -170,19 +171,19 @@ class Monitor:
         self.stop = stop  # set by SIGTERM/SIGHUP, or by the guard's waiter once the guard has an event
         self.rank: int = args.rank
         self.pid: int = args.pid
-        self.page: Optional[_native.HeartbeatPage] = None
+        self.page: _native.HeartbeatPage | None = None
         self.pidfd = -1
-        self.guard: Optional[_native.HardTimeoutGuard] = None
-        self._protocol: Optional[RestartProtocol] = None
+        self.guard: _native.HardTimeoutGuard | None = None
+        self._protocol: RestartProtocol | None = None
         self._stop_heartbeat = threading.Event()
-        self.watch: Optional[PeerWatch] = None
+        self.watch: PeerWatch | None = None
         if args.heartbeat_interval_s > 0 and args.heartbeat_timeout_s > 0 and args.world_size:
             self.watch = PeerWatch(args.call, args.rank, args.world_size, args.heartbeat_timeout_s,
                                    args.incarnation)
-        self._heartbeat_thread: Optional[threading.Thread] = None
+        self._heartbeat_thread: threading.Thread | None = None
         self._beating = False  # this monitor added to its seat's counter (a joiner's waits for a free seat)
-        self._event: Optional[_native.GuardEvent] = None
-        self._start_time: Optional[int] = None
+        self._event: _native.GuardEvent | None = None
+        self._start_time: int | None = None
         self._gone_on_purpose = True  # its seat's counter is marked gone when it stops (_mark_gone)
 
     # store ------------------------------------------------------------------
@@ -421,7 +422,7 @@ class Monitor:
             return self.handle_death(("hard_timeout", "HardTimeout", detail))
         return self.handle_death(None)
 
-    def _page_snapshot(self) -> Optional[_native.HeartbeatSnapshot]:
+    def _page_snapshot(self) -> _native.HeartbeatSnapshot | None:
         return self.page.snapshot() if self.page is not None and not self.page.closed else None
 
     def record_only(self, kind: str, type_: str, message: str) -> None:
@@ -434,7 +435,7 @@ class Monitor:
         except Exception as e:
             log.error("could not record the fault of rank %d: %s: %s", self.rank, type(e).__name__, e)
 
-    def handle_death(self, cause: Optional[tuple[str, str, str]]) -> int:
+    def handle_death(self, cause: tuple[str, str, str] | None) -> int:
         """The rank is dead (or was killed): tell the others what they need."""
         snap = self._page_snapshot()
         if snap is None:
@@ -455,7 +456,7 @@ class Monitor:
                      phase.name)
             return EXIT_OK
         log.warning("rank %d: %s (%s, %s)", self.rank, message, kind, type_)
-        life: Optional[int] = 0
+        life: int | None = 0
         if self.args.join_token:
             try:
                 admitted = self._withdraw_joiner(message)
@@ -473,7 +474,7 @@ class Monitor:
             return EXIT_STORE
         return EXIT_OK
 
-    def _withdraw_joiner(self, message: str) -> Optional[Outcome]:
+    def _withdraw_joiner(self, message: str) -> Outcome | None:
         """A rank that joined a running job died: withdraw it if it was not admitted yet
         (None: nothing more to do), else its admission."""
         keys = JoinKeys(self.protocol.counted, self.args.call, self.args.incarnation)
@@ -501,8 +502,8 @@ class Monitor:
 
     def count_out(
         self, rank: int, kind: str, type_: str, message: str, store: Any = None, *, in_barrier: bool = True,
-        life: Optional[int] = None,
-    ) -> Optional[int]:
+        life: int | None = None,
+    ) -> int | None:
         """Count ``rank`` out at the first barrier it has not been counted at
         (its seat says which), recording the fault and requesting the restart;
         or, lost inside a barrier before its decision (perhaps leading it), by
@@ -569,7 +570,7 @@ def _serve(config: MonitorConfig, stop: StopRequest) -> int:
                 log.info("modules: torch=%s", "torch" in sys.modules)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     """``inprocess-monitor`` and ``python -m inprocess.processes.monitor``."""
     run_helper(MonitorConfig, _serve, argv)
 

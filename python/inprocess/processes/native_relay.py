@@ -40,7 +40,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from .. import _native
 from ..control import seat_table, store_ops
@@ -167,10 +168,10 @@ class NativeNodeRelay:
     def __init__(self, board: Any):
         self.board = board
         self.python = NodeRelay(board)  # where the protocol's store is not a StoreConnection
-        self._forwarder: Optional[tuple[str, Any]] = None  # (the protocol's prefix, native relay)
-        self._broadcaster: Optional[tuple[str, Any]] = None
+        self._forwarder: tuple[str, Any] | None = None  # (the protocol's prefix, native relay)
+        self._broadcaster: tuple[str, Any] | None = None
 
-    def _native_for(self, p: RestartProtocol, which: Optional[tuple[str, Any]], *, seats: bool) -> Any:
+    def _native_for(self, p: RestartProtocol, which: tuple[str, Any] | None, *, seats: bool) -> Any:
         """The native relay of ``p``'s call; ``seats``: one that moves seats (it asks the
         call's seats per key, once per protocol: the broadcast steps move none)."""
         if which is not None and which[0] == p.prefix:

@@ -47,7 +47,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from .. import _native
 from ..control.node_link import HELLO, socket_name
@@ -182,7 +183,7 @@ def serve(config: NodeAgentConfig, stop: StopRequest) -> int:
     return NodeAgent(config, stop).serve()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     """``inprocess-node-agent`` and ``python -m inprocess.processes.node_agent``."""
     run_helper(NodeAgentConfig, serve, argv)
 

@@ -9,7 +9,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..control.protocol import COMPLETE, RestartProtocol
 from ..control.records import Decision

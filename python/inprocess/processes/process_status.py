@@ -9,10 +9,9 @@ import fcntl
 import os
 import signal
 import struct
-from typing import Optional
 
 
-def proc_stat(pid: int) -> Optional[list[str]]:
+def proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/<pid>/stat after the command name (field 3 first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -22,12 +21,12 @@ def proc_stat(pid: int) -> Optional[list[str]]:
     return raw[raw.rfind(")") + 2:].split()
 
 
-def start_time(pid: int) -> Optional[int]:
+def start_time(pid: int) -> int | None:
     fields = proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
-def zombie_status(pid: int, start_time: Optional[int]) -> Optional[int]:
+def zombie_status(pid: int, start_time: int | None) -> int | None:
     """The wait status of the rank while it is an unreaped zombie, else None.
 
     Best effort: the parent (the launcher) may have reaped it already. The
@@ -50,7 +49,7 @@ _PIDFD_INFO_EXIT = 1 << 3
 _PIDFD_INFO_EXIT_CODE_OFFSET = 60
 
 
-def reaped_status(pidfd: int) -> Optional[int]:
+def reaped_status(pidfd: int) -> int | None:
     """The wait status of a reaped process, read through its pidfd; None where the kernel keeps none
     (before Linux 6.15, or not reaped yet)."""
     if pidfd < 0:
@@ -66,14 +65,14 @@ def reaped_status(pidfd: int) -> Optional[int]:
     return int(struct.unpack_from("=i", buf, _PIDFD_INFO_EXIT_CODE_OFFSET)[0])
 
 
-def exit_status(pid: int, start_time: Optional[int], pidfd: int) -> Optional[int]:
+def exit_status(pid: int, start_time: int | None, pidfd: int) -> int | None:
     """The rank's wait status: from /proc while it is a zombie, else (its parent, the launcher, reaped
     it first: a launcher that waits on its children does so within microseconds) from its pidfd."""
     status = zombie_status(pid, start_time)
     return status if status is not None else reaped_status(pidfd)
 
 
-def describe_status(status: Optional[int]) -> tuple[str, str]:
+def describe_status(status: int | None) -> tuple[str, str]:
     """(fault kind, type) from a wait status."""
     if status is None:
         return "exited", "RankExited"

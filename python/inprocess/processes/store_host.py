@@ -44,7 +44,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from ..control import keys
 from ..control.host_names import numeric_host_names
@@ -130,7 +131,7 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     # variables it shares with the ranks give it (control/incarnation.py); a rank passes its own, the same.
     incarnation = config.incarnation or job_incarnation()
     liveness = _JobLiveness(client, config.world_size, config.idle_timeout_s, incarnation)
-    call: Optional[int] = None
+    call: int | None = None
     while not stop.is_set():
         if client.closed:
             # Its own connection gave up on a reply (this process was stopped or starved past the
@@ -166,7 +167,7 @@ def serve(config: StoreHostConfig, stop: StopRequest) -> int:
     return EXIT_OK
 
 
-def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     """``inprocess-store-host`` and ``python -m inprocess.processes.store_host``."""
     run_helper(StoreHostConfig, serve, argv)
 

@@ -11,8 +11,6 @@ still has enough ranks.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED
 from ..state import Mode, State
 from .base import JobAssignmentCtx, RankAssignmentCtx, RankFilter, is_int, replace_state
@@ -44,7 +42,7 @@ def _state_below(state: State, active_world_size: int) -> State:
     )
 
 
-def _bounded(previous: Optional[int], world_size: int) -> int:
+def _bounded(previous: int | None, world_size: int) -> int:
     """The previous active world size, never above the world size; the world size before the first."""
     return world_size if previous is None else min(previous, world_size)
 
@@ -64,7 +62,7 @@ class _ActiveSize(JobAssignment, RankFilter):
     """The ranks below an active world size are active, the others spares; the size is the
     subclass's (:meth:`_size`, from the previous active world size and the world size)."""
 
-    def _size(self, previous: Optional[int], world_size: int) -> int:
+    def _size(self, previous: int | None, world_size: int) -> int:
         raise NotImplementedError
 
     def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx:
@@ -83,7 +81,7 @@ class MaxActiveWorldSize(_ActiveSize):
     first decision), at most the world size and at most the limit.
     """
 
-    def __init__(self, max_active_world_size: Optional[int] = None):
+    def __init__(self, max_active_world_size: int | None = None):
         if max_active_world_size is not None and not (is_int(max_active_world_size) and max_active_world_size >= 1):
             raise ValueError(f"max_active_world_size={max_active_world_size!r}: expected a positive int or None")
         self.max_active_world_size = max_active_world_size
@@ -91,7 +89,7 @@ class MaxActiveWorldSize(_ActiveSize):
     def __repr__(self) -> str:
         return f"MaxActiveWorldSize({self.max_active_world_size!r})"
 
-    def _size(self, previous: Optional[int], world_size: int) -> int:
+    def _size(self, previous: int | None, world_size: int) -> int:
         size = _bounded(previous, world_size)
         return size if self.max_active_world_size is None else min(size, self.max_active_world_size)
 
@@ -111,6 +109,6 @@ class ActiveWorldSizeDivisibleBy(_ActiveSize):
     def __repr__(self) -> str:
         return f"ActiveWorldSizeDivisibleBy({self.divisor!r})"
 
-    def _size(self, previous: Optional[int], world_size: int) -> int:
+    def _size(self, previous: int | None, world_size: int) -> int:
         size = _bounded(previous, world_size)
         return size - size % self.divisor

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..state import Mode, State
@@ -23,9 +24,9 @@ from .base import JobAssignmentCtx, Topology
 class JobStep(Protocol):
     """What the agreed inputs run of a :class:`~inprocess.rank_assignment.job.JobAssignment`: its job-wide step."""
 
-    def assign_job(self, ctx: JobAssignmentCtx) -> Optional[JobAssignmentCtx]: ...
+    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx | None: ...
 
-_current: contextvars.ContextVar[Optional["AgreedInputs"]] = contextvars.ContextVar(
+_current: contextvars.ContextVar[AgreedInputs | None] = contextvars.ContextVar(
     "inprocess_rank_assignment_agreed", default=None
 )
 
@@ -36,15 +37,15 @@ def initial_membership(initial_world_size: int) -> Membership:
     return Membership([int(Mode.INITIALIZED)] * n, list(range(n)), [NONE] * n)
 
 
-def assigned_active_world_size(m: Membership) -> Optional[int]:
+def assigned_active_world_size(m: Membership) -> int | None:
     """The active world size every rank's state carries after decision ``m``; None before the first."""
     if not any(mode in (ACTIVE, INACTIVE) for mode in m.mode):
         return None
     return m.active_world_size
 
 
-def state_of(m: Membership, active_world_size: Optional[int], initial_rank: int, iteration: int,
-             fn_exception: Optional[BaseException] = None, world_size: Optional[int] = None) -> State:
+def state_of(m: Membership, active_world_size: int | None, initial_rank: int, iteration: int,
+             fn_exception: BaseException | None = None, world_size: int | None = None) -> State:
     """Initial rank ``initial_rank``'s :class:`State` as the table ``m`` describes it
     (``world_size``: ``m.world_size``, when the caller has counted it already)."""
     r = initial_rank
@@ -61,7 +62,7 @@ def state_of(m: Membership, active_world_size: Optional[int], initial_rank: int,
     )
 
 
-def row_of(state: Any) -> tuple[int, int, int, int, Optional[int]]:
+def row_of(state: Any) -> tuple[int, int, int, int, int | None]:
     """(mode, rank, active rank, world size, active world size) of a state, comparable with a table row."""
     return (
         int(state.mode),
@@ -72,14 +73,14 @@ def row_of(state: Any) -> tuple[int, int, int, int, Optional[int]]:
     )
 
 
-def table_row(m: Membership, active_world_size: Optional[int], initial_rank: int,
-              world_size: Optional[int] = None) -> tuple[int, int, int, int, Optional[int]]:
+def table_row(m: Membership, active_world_size: int | None, initial_rank: int,
+              world_size: int | None = None) -> tuple[int, int, int, int, int | None]:
     r = initial_rank
     return (m.mode[r], m.rank[r], m.active_rank[r], m.world_size if world_size is None else world_size,
             active_world_size)
 
 
-def describe_row(row: tuple[int, int, int, int, Optional[int]]) -> str:
+def describe_row(row: tuple[int, int, int, int, int | None]) -> str:
     mode, rank, act, ws, aws = row
     if mode == TERMINATED:
         return "TERMINATED"
@@ -117,13 +118,13 @@ class AgreedInputs:
         self.iteration = iteration
         self.hook_iteration = hook_iteration
         self._topology_source = topology
-        self._topology: Optional[Topology] = None
-        self._initial_of_rank: Optional[dict[int, int]] = None
+        self._topology: Topology | None = None
+        self._initial_of_rank: dict[int, int] | None = None
         self._initial_of_set: dict[frozenset[int], frozenset[int]] = {}
         self._results: dict[tuple[int, frozenset[int]], JobResult] = {}
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["AgreedInputs"]:
+    def active(self) -> Iterator[AgreedInputs]:
         """Per-rank hooks called inside the block read these inputs (see :func:`current`)."""
         token = _current.set(self)
         try:
@@ -137,11 +138,11 @@ class AgreedInputs:
             self._topology = self._topology_source()
         return self._topology
 
-    def state_of(self, initial_rank: int, fn_exception: Optional[BaseException] = None) -> State:
+    def state_of(self, initial_rank: int, fn_exception: BaseException | None = None) -> State:
         return state_of(self.previous, self.active_world_size, initial_rank, self.hook_iteration, fn_exception,
                         self.world_size)
 
-    def row(self, initial_rank: int) -> tuple[int, int, int, int, Optional[int]]:
+    def row(self, initial_rank: int) -> tuple[int, int, int, int, int | None]:
         """The rank's row in the previous decision, as :func:`row_of` gives it for a state."""
         return table_row(self.previous, self.active_world_size, initial_rank, self.world_size)
 
@@ -165,7 +166,7 @@ class AgreedInputs:
                 f"decision (ranks 0..{len(self._initial_of_rank) - 1})"
             ) from None
 
-    def job_result(self, assignment: JobStep, leaving: set[int]) -> "JobResult":
+    def job_result(self, assignment: JobStep, leaving: set[int]) -> JobResult:
         """``assignment``'s job-wide step on the previous decision with ``leaving`` (initial ranks) pending.
 
         Computed once per (assignment, leaving) and shared by every rank the
@@ -186,6 +187,6 @@ class AgreedInputs:
         return result
 
 
-def current() -> Optional[AgreedInputs]:
+def current() -> AgreedInputs | None:
     """The agreed inputs of the decision being made in this thread, or None outside one."""
     return _current.get()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Optional, Sequence, TypeGuard, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeGuard, TypeVar
 
 from ..compose import leaves
 from ..control.membership import Membership
@@ -73,11 +74,11 @@ class Topology:
         self._columns = list(columns)
 
     @classmethod
-    def empty(cls) -> "Topology":
+    def empty(cls) -> Topology:
         return cls((), ())
 
     @classmethod
-    def from_table(cls, owners: Sequence[Any], table: Sequence[Sequence[Sequence[str]]]) -> "Topology":
+    def from_table(cls, owners: Sequence[Any], table: Sequence[Sequence[Sequence[str]]]) -> Topology:
         """From what every rank published: ``table[initial_rank][owner_index]`` is a list of keys."""
         return cls(owners, [[tuple(row[j]) for row in table] for j in range(len(owners))])
 
@@ -105,10 +106,10 @@ class JobAssignmentCtx:
 
     membership: Membership
     terminated_ranks: set[int]
-    active_world_size: Optional[int]
+    active_world_size: int | None
     iteration: int
     topology: Topology = dataclasses.field(default_factory=Topology.empty)
-    previous: Optional[Membership] = None
+    previous: Membership | None = None
 
 
 StateT = TypeVar("StateT")

@@ -8,7 +8,7 @@ missing, a lost rank still in the job, a rank that was never activated.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..state import Mode
@@ -26,7 +26,7 @@ def _ranks(ranks: Iterable[int], limit: int = 16) -> str:
 
 def check_membership(
     m: Membership,
-    active_world_size: Optional[int],
+    active_world_size: int | None,
     previous: Membership,
     lost: set[int],
     still_leaving: Iterable[int] = (),
@@ -99,7 +99,7 @@ def _name_the_clash(name: str, held: list[tuple[int, int]]) -> None:
     raise InconsistentAssignment(f"the {name} numbers are not 0..{size - 1}")
 
 
-def check_agreement(m: Membership, states: dict[int, tuple[int, Optional[int]]]) -> None:
+def check_agreement(m: Membership, states: dict[int, tuple[int, int | None]]) -> None:
     """Per-rank results: every rank's (world_size, active_world_size) must be the table's."""
     expected = (m.world_size, m.active_world_size)
     wrong = {r: sizes for r, sizes in states.items() if sizes != expected}

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..compose import leaves
 from ..control.membership import NONE, TERMINATED, Membership
@@ -40,7 +41,7 @@ log = logging.getLogger("inprocess")
 # Rounds of the per-rank evaluation before the set of leaving ranks must have settled.
 MAX_SETTLE_ROUNDS = 8
 
-Row = tuple[int, int, int, int, Optional[int]]
+Row = tuple[int, int, int, int, int | None]
 
 
 class RankAssignmentMismatch(RestartAbort):
@@ -124,7 +125,7 @@ def run_for_rank(
     inputs: AgreedInputs,
     initial_rank: int,
     ranks_leaving: set[int],
-    fn_exception: Optional[BaseException] = None,
+    fn_exception: BaseException | None = None,
 ) -> Row:
     """The row the composition gives ``initial_rank`` on the agreed inputs (RankDiscarded passes through)."""
     ctx = RankAssignmentCtx(inputs.state_of(initial_rank, fn_exception), NO_STORE, set(ranks_leaving))
@@ -181,11 +182,11 @@ def decide(
     faults: list[FaultRecord],
     iteration: int,
     leader: int,
-    topology: Optional[Topology] = None,
+    topology: Topology | None = None,
     *,
-    hook_iteration: Optional[int] = None,
-    failures: Optional[list[BaseException]] = None,
-    before_assignment: Optional[Callable[[], None]] = None,
+    hook_iteration: int | None = None,
+    failures: list[BaseException] | None = None,
+    before_assignment: Callable[[], None] | None = None,
 ) -> Decision:
     """The leader's one decision for the whole job.
 

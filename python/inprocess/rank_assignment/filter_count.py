@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 from ..control.membership import TERMINATED
 from ..state import FrozenState, State
@@ -44,14 +44,14 @@ class FilterCountGroupedByKey(JobAssignment):
         self.key_or_fn = key_or_fn
         self.condition = condition
         self.timeout = timeout
-        self._groups: Optional[tuple[list[tuple[str, ...]], list[int], int]] = None
+        self._groups: tuple[list[tuple[str, ...]], list[int], int] | None = None
         self._namespace = StoreNamespace(self)
-        self._own_key: Optional[str] = None
+        self._own_key: str | None = None
 
     def __repr__(self) -> str:
         return f"FilterCountGroupedByKey(key_or_fn={self.key_or_fn!r}, condition={self.condition!r})"
 
-    def local_keys(self, state: Union[State, FrozenState]) -> tuple[str, ...]:
+    def local_keys(self, state: State | FrozenState) -> tuple[str, ...]:
         return (evaluate_key(self.key_or_fn, state),)
 
     def _group_of(self, keys: list[tuple[str, ...]]) -> tuple[list[int], int]:

@@ -14,7 +14,8 @@ the job-wide step on the agreed inputs.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..control.membership import NONE, TERMINATED
 from ..exception import RankDiscarded
@@ -33,10 +34,10 @@ class JobAssignment(RankAssignment):
     results from ``ctx.topology``.
     """
 
-    local_keys: Optional[Callable[[FrozenState], tuple[str, ...]]] = None
+    local_keys: Callable[[FrozenState], tuple[str, ...]] | None = None
 
     @abc.abstractmethod
-    def assign_job(self, ctx: JobAssignmentCtx) -> Optional[JobAssignmentCtx]:
+    def assign_job(self, ctx: JobAssignmentCtx) -> JobAssignmentCtx | None:
         """Transform ``ctx`` (in place, or return a new one)."""
         raise NotImplementedError
 
@@ -80,8 +81,8 @@ def job_step_for_rank(assignment: JobAssignment, ctx: RankAssignmentCtx) -> Rank
 def rank_view(
     result: JobAssignmentCtx,
     ctx: RankAssignmentCtx,
-    world_size: Optional[int] = None,
-    leaving_ranks: Optional[frozenset[int]] = None,
+    world_size: int | None = None,
+    leaving_ranks: frozenset[int] | None = None,
 ) -> RankAssignmentCtx:
     """The rank of ``ctx`` in a job-wide result: its next state, and the ranks still leaving.
 

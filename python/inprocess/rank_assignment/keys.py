@@ -33,12 +33,13 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-from typing import Any, Callable, Hashable, Sequence, Union
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from ..state import FrozenState, State
 from .base import JobAssignmentCtx
 
-KeyOrFn = Union[Hashable, Callable[[Any], Hashable]]  # this rank's key, or fn(state) -> key
+KeyOrFn = Hashable | Callable[[Any], Hashable]  # this rank's key, or fn(state) -> key
 
 
 def _is_str(value: object) -> bool:
@@ -125,7 +126,7 @@ def key_text(value: object) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def evaluate_key(key_or_fn: KeyOrFn, state: Union[State, FrozenState]) -> str:
+def evaluate_key(key_or_fn: KeyOrFn, state: State | FrozenState) -> str:
     """This rank's key, as text (see the module docstring)."""
     value = key_or_fn(state) if callable(key_or_fn) else key_or_fn
     if not _is_hashable(value):

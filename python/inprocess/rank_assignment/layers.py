@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 from .base import check_int
 from .keys import KeyOrFn, check_key_or_fn
@@ -39,9 +38,9 @@ class Layer:
     def __init__(
         self,
         min_ranks: int = 1,
-        max_ranks: Optional[int] = None,
+        max_ranks: int | None = None,
         key_or_fn: KeyOrFn = "",
-        flag: Optional[LayerFlag] = None,
+        flag: LayerFlag | None = None,
     ):
         self.min_ranks = check_int(min_ranks, "min_ranks")
         if max_ranks is not None:

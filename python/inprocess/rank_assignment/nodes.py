@@ -16,7 +16,8 @@ replacement is found by walking up from it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from ..state import Mode, State
 from .layers import Layer, LayerFlag
@@ -33,7 +34,7 @@ class Node:
     ``backfill_domain`` is set on a leaf by :meth:`assign_backfill_domain`.
     """
 
-    def __init__(self, parent: Optional["Node"], name: Any, layer: Optional[Layer], state: Optional[State]):
+    def __init__(self, parent: Node | None, name: Any, layer: Layer | None, state: State | None):
         self.parent = parent
         self.name = name
         self.layer = layer
@@ -41,9 +42,9 @@ class Node:
         self.active_count = 0
         self.children: dict[Any, Node] = {}
         self.inactive_nodes: dict[int, Node] = {}
-        self.backfill_domain: Optional[Node] = None
+        self.backfill_domain: Node | None = None
 
-    def add_child(self, name: Any, layer: Optional[Layer], state: Optional[State]) -> "Node":
+    def add_child(self, name: Any, layer: Layer | None, state: State | None) -> Node:
         """A new child named ``name`` (replacing one of that name), returned."""
         child = Node(self, name, layer, state)
         self.children[name] = child
@@ -52,7 +53,7 @@ class Node:
     def is_leaf(self) -> bool:
         return not self.children
 
-    def iter_leaves(self) -> Iterator["Node"]:
+    def iter_leaves(self) -> Iterator[Node]:
         """The leaves below (this node itself if it is one), in insertion order, depth first."""
         if self.is_leaf():
             yield self
@@ -60,7 +61,7 @@ class Node:
         for child in self.children.values():
             yield from child.iter_leaves()
 
-    def ancestors(self) -> Iterator["Node"]:
+    def ancestors(self) -> Iterator[Node]:
         node = self.parent
         while node is not None:
             yield node
@@ -113,7 +114,7 @@ class Node:
 
 
 def bounded_activate(
-    node: Node, counter: int, path: Optional[list[Node]] = None, current_state: Any = None
+    node: Node, counter: int, path: list[Node] | None = None, current_state: Any = None
 ) -> int:
     """Activate the leaves below ``node`` in depth-first order, numbering them from ``counter``,
     as long as every domain on the way (``path``, then each node passed) has fewer than its

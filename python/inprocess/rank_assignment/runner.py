@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import faults
 from ..control.membership import Membership
@@ -33,10 +34,10 @@ class AssignmentRunner:
         self.rank_assignment = rank_assignment
         self.per_rank = uses_per_rank_hooks(rank_assignment)
         self._owners = key_gathering_leaves(rank_assignment)
-        self._topology: Optional[Topology] = None
+        self._topology: Topology | None = None
         self._failures: list[BaseException] = []
 
-    def local_keys(self, state: FrozenState) -> Optional[list[list[str]]]:
+    def local_keys(self, state: FrozenState) -> list[list[str]] | None:
         """This rank's keys for every member that groups ranks, or None if none does."""
         if not self._owners:
             return None
@@ -56,7 +57,7 @@ class AssignmentRunner:
 
     def decide(
         self,
-        previous: Optional[Membership],
+        previous: Membership | None,
         dead: set[int],
         records: list[FaultRecord],
         leader: int,
@@ -84,7 +85,7 @@ class AssignmentRunner:
             hook_iteration=state.iteration, failures=self._failures, before_assignment=enter_reassignment,
         )
 
-    def take_failure(self) -> Optional[BaseException]:
+    def take_failure(self) -> BaseException | None:
         """The exception of the hook that failed in this process's last :meth:`decide`, if any."""
         failure = self._failures[-1] if self._failures else None
         self._failures.clear()
@@ -93,7 +94,7 @@ class AssignmentRunner:
     def verify(
         self,
         decision: Decision,
-        previous: Optional[Membership],
+        previous: Membership | None,
         before: FrozenState,
         read_topology: Callable[[], TopologyTable],
     ) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ..control import keys
 from ..control.incarnation import job_incarnation
@@ -27,7 +28,7 @@ class StoreNamespace:
     """Where one assignment instance's exchanges live:
     ``<prefix>[/<incarnation>]/<class>_<instance>/<call>``."""
 
-    _counters: dict[str, "itertools.count[int]"] = {}
+    _counters: dict[str, itertools.count[int]] = {}
 
     def __init__(self, owner: object):
         name = type(owner).__name__
@@ -49,7 +50,7 @@ def exchange(
     me: int,
     value: Any,
     members: Iterable[int],
-    timeout: Optional[datetime.timedelta] = None,
+    timeout: datetime.timedelta | None = None,
 ) -> dict[int, Any]:
     """Publish ``value`` (JSON) as member ``me``; return every member's value once all have published."""
     if store is None or not hasattr(store, "set"):

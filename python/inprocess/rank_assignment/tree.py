@@ -20,7 +20,8 @@ table the instance keeps, as there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from ..exception import RankDiscarded
@@ -39,7 +40,7 @@ class _Kept:
     """What a Tree called per rank outside the Wrapper keeps between calls (as there)."""
 
     table: Membership
-    active_world_size: Optional[int]
+    active_world_size: int | None
     topology: Topology
     calls: int = 0
 
@@ -74,7 +75,7 @@ class Tree(JobAssignment):
     table; nothing depends on set or dict iteration order.
     """
 
-    def __init__(self, layers: Sequence[Layer], world_size_filter: Optional[Callable[[int], int]] = None):
+    def __init__(self, layers: Sequence[Layer], world_size_filter: Callable[[int], int] | None = None):
         if isinstance(layers, Layer) or not isinstance(layers, (list, tuple)) or not layers:
             raise ValueError(f"layers={layers!r}: expected a non-empty list of Layer, top layer first")
         for i, layer in enumerate(layers):
@@ -86,14 +87,14 @@ class Tree(JobAssignment):
             )
         self.layers = tuple(layers)
         self.world_size_filter = world_size_filter
-        self._structure: Optional[Structure] = None
+        self._structure: Structure | None = None
         self._namespace = StoreNamespace(self)
-        self._alone: Optional[_Kept] = None
+        self._alone: _Kept | None = None
 
     def __repr__(self) -> str:
         return f"Tree(layers={list(self.layers)!r}, world_size_filter={self.world_size_filter!r})"
 
-    def local_keys(self, state: Union[State, FrozenState]) -> tuple[str, ...]:
+    def local_keys(self, state: State | FrozenState) -> tuple[str, ...]:
         """This rank's key in every layer (runs on each rank at the initial barrier)."""
         return tuple(evaluate_key(layer.key_or_fn, state) for layer in self.layers)
 

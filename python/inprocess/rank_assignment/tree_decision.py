@@ -8,7 +8,8 @@ Written over the columns of the membership table so that it stays well under
 from __future__ import annotations
 
 import heapq
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from .layers import Layer, LayerFlag
@@ -30,7 +31,7 @@ class Structure:
         n = len(keys)
         self.keys = keys  # held so that the cache's identity check cannot be fooled by id reuse
         dom: list[list[int]] = []
-        parent_col: Optional[list[int]] = None
+        parent_col: list[int] | None = None
         for d in range(depth):
             ids: dict[Any, int] = {}
             col = [0] * n
@@ -217,7 +218,7 @@ class _DonorPool:
                         self.donors.setdefault((d, st.dom[d][r]), []).append((v, r))
         self.pointer: dict[tuple[int, int], int] = {}
 
-    def take(self, lost: int, gap: int) -> Optional[tuple[int, int]]:
+    def take(self, lost: int, gap: int) -> tuple[int, int] | None:
         """(its number, initial rank) of the highest active rank above ``gap`` in the nearest
         BACKFILL domain of ``lost``, or None."""
         mode, act = self.m.mode, self.m.active_rank

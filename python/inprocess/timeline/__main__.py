@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from inprocess.timeline.model import build
 from inprocess.timeline.reading import EventFileError, load
@@ -15,7 +15,7 @@ from inprocess.timeline.trace import write_trace
 INSTALL_HINT = 'pip install "inprocess[timeline]"  (or: pip install "matplotlib>=3.5")'
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m inprocess.timeline",
         description="Merge the events of a job (one rank<N>.jsonl per rank) into a Perfetto/Chrome trace, "

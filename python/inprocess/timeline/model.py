@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 from inprocess.control import phases as phase_table
 from inprocess.control.protocol import FaultRecord
@@ -36,7 +36,7 @@ class Slice:
     name: str  # a phase, SPARE, or "abort"
     start_ns: int
     end_ns: int
-    iteration: Optional[int]
+    iteration: int | None
     args: dict[str, Any]
     run: int = 0  # which run (wrapped call of the job) it belongs to: iterations repeat across runs
 
@@ -52,7 +52,7 @@ class Instant:
     name: str
     category: str  # "call", "fault", "restart", "decision", "exit"
     t_ns: int
-    iteration: Optional[int]
+    iteration: int | None
     args: dict[str, Any]
     run: int = 0
 
@@ -82,16 +82,16 @@ class Restart:
     causes: list[dict[str, Any]]  # faults that were not consequences: rank, kind, type, message
     secondary: list[dict[str, Any]]  # consequences (engine/restart_record.py: the rule)
     terminated: list[int]  # initial ranks excluded by the restart
-    first_fault_ns: Optional[int]  # the first cause's time; without one, the earliest fault or detection seen
+    first_fault_ns: int | None  # the first cause's time; without one, the earliest fault or detection seen
     first_fault_what: str
-    resumed_ns: Optional[int]  # the last rank's first RUNNING (or SPARE) of iteration + 1
-    slowest: Optional[Step]  # the longest step of the last rank at the restart barrier
+    resumed_ns: int | None  # the last rank's first RUNNING (or SPARE) of iteration + 1
+    slowest: Step | None  # the longest step of the last rank at the restart barrier
     run: int = 0
-    earlier_sign_ns: Optional[int] = None  # a consequence or detection seen before the first cause's record
+    earlier_sign_ns: int | None = None  # a consequence or detection seen before the first cause's record
     earlier_sign_what: str = ""
 
     @property
-    def recovery_ns(self) -> Optional[int]:
+    def recovery_ns(self) -> int | None:
         if self.first_fault_ns is None or self.resumed_ns is None:
             return None
         return self.resumed_ns - self.first_fault_ns
@@ -149,7 +149,7 @@ class _Clocks:
     def at(self, segment: Segment, t_ns: int) -> int:
         return t_ns + self._offset[id(segment)] - self.origin
 
-    def of_record(self, record: dict[str, Any]) -> Optional[int]:
+    def of_record(self, record: dict[str, Any]) -> int | None:
         """The time of a record dated with ``t_ns`` and ``host``, or ``wall``; None if it has neither."""
         t_ns, host, wall = record.get("t_ns"), record.get("host"), record.get("wall")
         if isinstance(t_ns, int) and t_ns > 0 and host in self.offset_of_clock:
@@ -207,12 +207,12 @@ def _run_timeline(run: Run, clocks: _Clocks) -> tuple[list[Slice], list[Instant]
     return slices, instants
 
 
-def _last_iteration(segment: Segment) -> Optional[int]:
+def _last_iteration(segment: Segment) -> int | None:
     its = [e.iteration for e in segment.events if e.iteration is not None]
     return its[-1] if its else None
 
 
-def _segment_end(run: Run, segment: Segment, clocks: _Clocks) -> tuple[int, Optional[str]]:
+def _segment_end(run: Run, segment: Segment, clocks: _Clocks) -> tuple[int, str | None]:
     """When the segment's last phase ends, and a note when that time is inferred.
 
     A call that exited ends at its last event. A segment that just stops (its
@@ -238,10 +238,10 @@ def _segment_end(run: Run, segment: Segment, clocks: _Clocks) -> tuple[int, Opti
                        "the last event of the job")
 
 
-def _phase_slices(segment: Segment, clocks: _Clocks, end: int, end_note: Optional[str]) -> list[Slice]:
+def _phase_slices(segment: Segment, clocks: _Clocks, end: int, end_note: str | None) -> list[Slice]:
     """A slice from each phase event to the next; a spare's iteration gets a SPARE slice
     from its iteration_start when no RUNNING of that iteration follows it."""
-    marks: list[tuple[int, str, Optional[int], dict[str, Any]]] = []
+    marks: list[tuple[int, str, int | None, dict[str, Any]]] = []
     starts = {e.iteration: e for e in segment.events if e.kind == "iteration_start"}
     phase_events = [e for e in segment.events if e.kind == "phase"]
     for e in segment.events:
@@ -321,7 +321,7 @@ def _decision_faults(run: Run) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def _reported_by_itself(segment: Optional[Segment], iteration: int, kind: Any) -> bool:
+def _reported_by_itself(segment: Segment | None, iteration: int, kind: Any) -> bool:
     if segment is None:
         return False
     for e in segment.events:
@@ -445,7 +445,7 @@ def _as_record(fault: dict[str, Any], iteration: int) -> FaultRecord:
                        str(fault.get("message", "")))
 
 
-def _slowest_step(iteration: int, slices: list[Slice]) -> Optional[Step]:
+def _slowest_step(iteration: int, slices: list[Slice]) -> Step | None:
     """The longest step of the rank that arrived last at the restart barrier: the
     one every other rank waited for (their own barrier time is that wait)."""
     mine = [s for s in slices if s.iteration == iteration]
@@ -462,7 +462,7 @@ def _slowest_step(iteration: int, slices: list[Slice]) -> Optional[Step]:
     return max(steps, key=lambda step: step.dur_ns)
 
 
-def _first_sign(run: Run, clocks: _Clocks, iteration: int) -> tuple[Optional[int], str]:
+def _first_sign(run: Run, clocks: _Clocks, iteration: int) -> tuple[int | None, str]:
     """The earliest first-hand fault or restart detection of ``iteration``, and what it was."""
     signs = []
     for rank, s in run.segments.items():

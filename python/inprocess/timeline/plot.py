@@ -11,8 +11,6 @@ trigger thread.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed, none opened
@@ -138,7 +136,7 @@ def _draw_zoom(ax: Axes, timeline: Timeline, row: dict[int, int], r: Restart, nu
     ax.set_xlabel("ms from its first cause")
 
 
-def _ms(ns: Optional[int]) -> str:
+def _ms(ns: int | None) -> str:
     return "?" if ns is None else f"{ns / 1e6:.1f} ms"
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
@@ -54,7 +54,7 @@ class Event:
     where: str  # "file:line", for messages
 
     @property
-    def iteration(self) -> Optional[int]:
+    def iteration(self) -> int | None:
         value = self.fields.get("iteration")
         return value if isinstance(value, int) else None
 
@@ -66,8 +66,8 @@ class Segment:
     rank: int
     call: int
     ordinal: int  # how many earlier starts of this call the file holds
-    host: Optional[str]  # from call_start; None when the file has none for it
-    pid: Optional[int]
+    host: str | None  # from call_start; None when the file has none for it
+    pid: int | None
     events: list[Event]  # in CLOCK_MONOTONIC order (the file's order breaks ties)
 
     @property

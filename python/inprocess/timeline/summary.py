@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 from inprocess.timeline.model import Restart, Timeline, fault_label
 
@@ -11,7 +11,7 @@ _MESSAGE_CHARS = 70
 _SOURCE_LOCATION = re.compile(r"^\[[^\]\s]*:\d+\]\s*")
 
 
-def _ms(ns: Optional[int]) -> str:
+def _ms(ns: int | None) -> str:
     return "?" if ns is None else f"{ns / 1e6:.1f} ms"
 
 

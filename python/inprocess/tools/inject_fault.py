@@ -35,8 +35,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..environment import env_int
 from ..faults.actions import InjectedException
@@ -68,8 +68,8 @@ class CustomFault:
     name: str
 
 
-AnyFault = Union[Fault, CustomFault]
-Handler = Callable[[float, Optional[Callable[[], Any]]], Any]
+AnyFault = Fault | CustomFault
+Handler = Callable[[float, Callable[[], Any] | None], Any]
 
 # The faults inprocess.faults performs as they are (timed by an ArmedFaults).
 _KINDS = {
@@ -111,7 +111,7 @@ def register_fault(fault_name_or_enum: object, handler: Handler) -> AnyFault:
     return fault
 
 
-def dispatch_fault_injection(fault: AnyFault, delay: float, callback: Optional[Callable[[], Any]]) -> None:
+def dispatch_fault_injection(fault: AnyFault, delay: float, callback: Callable[[], Any] | None) -> None:
     """Start ``fault`` on this rank: it happens ``delay`` seconds from now, after ``callback()``."""
     if fault in _handlers:
         _handlers[fault](delay, callback)
@@ -142,11 +142,11 @@ def clear_workload_exception() -> None:
 
 def inject_fault(
     faults: Sequence[AnyFault],
-    num_faults: Union[int, tuple[int, int]],
+    num_faults: int | tuple[int, int],
     keep_alive: int,
-    delay: Union[float, tuple[float, float]],
+    delay: float | tuple[float, float],
     seed: int,
-    callback: Optional[Callable[[], Any]] = None,
+    callback: Callable[[], Any] | None = None,
 ) -> None:
     """On ``num_faults`` ranks (an int, or an inclusive range drawn from the seed) among ranks
     ``keep_alive .. WORLD_SIZE-1``, one fault drawn from ``faults`` happens after ``delay``
@@ -180,7 +180,7 @@ def inject_fault(
 # -- helpers -----------------------------------------------------------------
 
 
-def _arm_once(kind: Kind, delay_s: float, callback: Optional[Callable[[], Any]]) -> None:
+def _arm_once(kind: Kind, delay_s: float, callback: Callable[[], Any] | None) -> None:
     rank = env_int("RANK", 0)
     delay_ms = round(delay_s * 1000)
     spec = FaultSpec(kind, Ranks(listed=(rank,)), after_ms=(delay_ms, delay_ms))
@@ -188,7 +188,7 @@ def _arm_once(kind: Kind, delay_s: float, callback: Optional[Callable[[], Any]])
                 key=f"inject_fault#{next(_injections)}")
 
 
-def _later(delay_s: float, callback: Optional[Callable[[], Any]], action: Callable[[], Any]) -> None:
+def _later(delay_s: float, callback: Callable[[], Any] | None, action: Callable[[], Any]) -> None:
     def run() -> None:
         time.sleep(delay_s)
         if callback is not None:
