@@ -304,6 +304,32 @@ def test_a_hang_for_good_on_entering_a_restart_phase(tmp_path: pathlib.Path, kin
            rcs=res.returncodes, resume_s=took)
 
 
+# A rank frozen on arriving at the restart barrier (SIGSTOP: a debugger, a cgroup freezer; or a C
+# call that holds the GIL). Its monitor goes on beating, so only the hang rule of the barrier's phase
+# can end it: a thread of the rank stamps its progress while it waits there, and a frozen rank stamps
+# none (found by the first long chaos run, seed 31, sigstop@rank=4,phase=barrier).
+@pytest.mark.parametrize("kind, status", [("sigstop", -signal.SIGTERM),
+                                          pytest.param("gil_hang", -signal.SIGTERM, marks=pytest.mark.slow)])
+def test_a_rank_frozen_at_the_restart_barrier(tmp_path: pathlib.Path, kind: str, status: int) -> None:
+    """Rank 1 raises at step 2; rank 2 freezes on arriving at that restart's barrier. Before, nobody
+    counted rank 2 out and every other rank left at barrier_timeout (15 s): the job ended."""
+    res = run_matrix(tmp_path, f"exception@rank=1,step=2;{kind}@rank=2,phase=barrier", MATRIX_STEPS="12")
+    assert res.returncodes[2] in (status, -signal.SIGKILL), (res.returncodes, res.describe()[-3000:])
+    for r in (0, 1, 3):
+        log = assert_survivor(res, r, 1, 3)
+        restart = log["restarts"][0]
+        assert restart["terminated"] == [2], restart
+        hung = [f for f in restart["faults"] if f["rank"] == 2]
+        assert [f["kind"] for f in hung] == ["hard_timeout"], restart["faults"]
+        assert "phase RESTART_BARRIER" in hung[0]["message"], hung[0]["message"]
+    # The barrier phase's hard_timeout (4 s) from rank 2's arrival, the kill (a stopped process ends
+    # at SIGKILL, after the 1 s grace), the count-out: well within barrier_timeout.
+    took = resume_s(res, [0, 1, 3], 0, fault_time_ns(res, 1, 0))
+    assert 3.5 < took < 8.5, took
+    report(f"{kind} on arriving at the restart barrier", outcome="rank 2 killed at hard_timeout, 3 finish",
+           rcs=res.returncodes, resume_s=took)
+
+
 @pytest.mark.parametrize("kind", ["hang", pytest.param("gil_hang", marks=pytest.mark.slow)])
 def test_a_rank_assignment_hung_for_good_on_the_leader(tmp_path: pathlib.Path, kind: str) -> None:
     """Barrier 2's leader hangs for good in the rank assignment it runs for everyone (a user's

@@ -7,6 +7,9 @@ and passed there: it pins the hang rule of every phase, so the table cannot chan
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from inprocess import _native
@@ -21,6 +24,10 @@ SOFT_NS, HARD_NS = int(SOFT_S * 1e9), int(HARD_S * 1e9)
 # restarted, ping()'s clock disarmed, for a restart's abort, finalize and health check; for every
 # other phase, protection off and the timeouts left as they were.
 HARD_TIMEOUT_ONLY = {"ABORTING", "FINALIZING", "HEALTH_CHECK"}
+# Changed on purpose since: the restart barrier has the hard timeout too, its progress stamped by a
+# thread of the rank while it waits (a frozen rank there ended the job: test_fault_matrix.py,
+# test_a_rank_frozen_at_the_restart_barrier).
+STAMPED = {"RESTART_BARRIER"}
 
 
 @pytest.mark.parametrize("name", list(_native.Phase.__members__))
@@ -37,7 +44,7 @@ def test_entering_each_phase_sets_the_page_as_before(name: str) -> None:
         guard.enter(phase)
         after = page.snapshot()
         assert after.phase == phase
-        if name in HARD_TIMEOUT_ONLY:
+        if name in HARD_TIMEOUT_ONLY | STAMPED:
             assert not after.flags & _native.FLAG_HANG_PROTECTION_OFF
             assert not after.flags & _native.FLAG_MANUAL_ARMED
             assert (after.soft_timeout_ns, after.hard_timeout_ns) == (0, HARD_NS)
@@ -46,7 +53,35 @@ def test_entering_each_phase_sets_the_page_as_before(name: str) -> None:
             assert after.flags & _native.FLAG_HANG_PROTECTION_OFF
             assert after.flags & _native.FLAG_MANUAL_ARMED  # untouched
             assert (after.soft_timeout_ns, after.hard_timeout_ns) == (SOFT_NS, HARD_NS)
+        if name in STAMPED or name == "FINALIZING":  # (a wait each: one phase with stamps, one without)
+            time.sleep(3 * guard.stamp_every_s)
+            later = page.snapshot().auto_progress_ns
+            if name in STAMPED:
+                assert later > after.auto_progress_ns  # stamped while the main thread did nothing
+            else:
+                assert later == after.auto_progress_ns
     finally:
+        guard.close()
+        page.close()
+
+
+def test_the_stamps_end_with_the_phase() -> None:
+    page = _native.HeartbeatPage.create()
+    guard = HangGuard(page, SOFT_S, HARD_S)
+    try:
+        before = threading.active_count()
+        guard.enter(_native.Phase.RESTART_BARRIER)
+        assert threading.active_count() == before + 1
+        guard.enter(_native.Phase.RUNNING)
+        assert threading.active_count() == before
+        stopped = page.snapshot().auto_progress_ns
+        time.sleep(3 * guard.stamp_every_s)
+        assert page.snapshot().auto_progress_ns == stopped
+        guard.enter(_native.Phase.RESTART_BARRIER)
+        guard.off()  # the rank leaves the job from the barrier
+        assert threading.active_count() == before
+    finally:
+        guard.close()
         page.close()
 
 
@@ -54,14 +89,27 @@ def test_the_leaders_decision_gets_the_hard_timeout_only() -> None:
     page = _native.HeartbeatPage.create()
     try:
         guard = HangGuard(page, SOFT_S, HARD_S)
+        guard.enter(_native.Phase.INITIAL_BARRIER)
+        with guard.deciding():
+            s = page.snapshot()
+            assert not s.flags & _native.FLAG_HANG_PROTECTION_OFF
+            assert (s.soft_timeout_ns, s.hard_timeout_ns) == (0, HARD_NS)
+            assert s.phase == _native.Phase.INITIAL_BARRIER  # the barrier's phase stays
+        assert page.snapshot().flags & _native.FLAG_HANG_PROTECTION_OFF
         guard.enter(_native.Phase.RESTART_BARRIER)
         with guard.deciding():
             s = page.snapshot()
             assert not s.flags & _native.FLAG_HANG_PROTECTION_OFF
             assert (s.soft_timeout_ns, s.hard_timeout_ns) == (0, HARD_NS)
-            assert s.phase == _native.Phase.RESTART_BARRIER  # the barrier's phase stays
-        assert page.snapshot().flags & _native.FLAG_HANG_PROTECTION_OFF
+            assert s.phase == _native.Phase.RESTART_BARRIER
+            time.sleep(3 * guard.stamp_every_s)  # the leader's own progress counts here, no stamps
+            assert page.snapshot().auto_progress_ns == s.auto_progress_ns
+        after = page.snapshot()
+        assert not after.flags & _native.FLAG_HANG_PROTECTION_OFF  # the restart barrier's rule again
+        time.sleep(3 * guard.stamp_every_s)
+        assert page.snapshot().auto_progress_ns > after.auto_progress_ns
     finally:
+        guard.close()
         page.close()
 
 

@@ -372,3 +372,60 @@ def test_without_a_fault_the_leader_sends_one_request_more_and_the_others_none()
     # The leader: seat, add, wait for ready, count, faults, compare_set + append, 12 deletes.
     # The others: seat, add, blocking get; the one whose add completed the count also sets ``ready``.
     assert spent[0] == (19, 19) and sorted(spent[1:]) == [(3, 4), (3, 4), (4, 5)], spent
+
+
+# -- a term's outcome read while it is missing ------------------------------------------------------
+# torch's libuv server answers a compare_set of a missing key by waking that key's waiters, whose get
+# then returns b"" (control/store_ops.py, peek). A monitor that completes a short count reads the terms
+# of a barrier whose ranks wait for the next term (control/short_count.py): seen as "corrupted decision
+# record b''" on every survivor when a monitor counted a frozen rank out of a barrier.
+
+
+def _mark_term_0_lost(p: RestartProtocol) -> None:
+    p.terms.write(BARRIER, 0, lost_mark(FaultRecord(1, BARRIER - 1, "killed", "SIGKILL", "lost while deciding")))
+
+
+def _waiting(read: Callable[[], bytes]) -> tuple[threading.Thread, dict[str, Any]]:
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["raw"] = read()
+        except BaseException as e:  # the test reads it
+            got["raw"] = e
+
+    thread = threading.Thread(target=body, name="waiting for term 1")
+    thread.start()
+    time.sleep(0.5)  # its get waits on the server
+    return thread, got
+
+
+def test_the_short_count_reads_no_missing_term_that_ranks_wait_for() -> None:
+    from inprocess.control.short_count import lost_ranks
+
+    job = Job(4)
+    _mark_term_0_lost(job.protocol())
+    waiter = job.protocol()
+    thread, got = _waiting(lambda: waiter.counted.get_blocking(waiter.terms.outcome_key(BARRIER, 1), 10, "term 1"))
+    monitor = RestartProtocol(TCPStoreClient("127.0.0.1", job.server.port, timeout=10))
+    assert lost_ranks(monitor, BARRIER) == ({1}, False)
+    time.sleep(0.3)
+    assert "raw" not in got, got  # still waiting: nothing woke it
+    job.protocol().terms.write(BARRIER, 1, "the decision of term 1")
+    thread.join(10)
+    assert got["raw"] == b"the decision of term 1", got
+
+
+def test_a_terms_reader_woken_early_waits_again() -> None:
+    from inprocess.control.store_ops import Deadline
+
+    job = Job(4)
+    _mark_term_0_lost(job.protocol())
+    waiter = job.protocol()
+    thread, got = _waiting(lambda: waiter.terms.wait(BARRIER, 1, Deadline(10)))
+    peeker = job.protocol()
+    assert peeker.counted.peek(peeker.terms.outcome_key(BARRIER, 1)) is None  # wakes the waiter's get with b""
+    time.sleep(0.3)
+    job.protocol().terms.write(BARRIER, 1, "the decision of term 1")
+    thread.join(10)
+    assert got["raw"] == b"the decision of term 1", got

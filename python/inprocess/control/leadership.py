@@ -161,8 +161,13 @@ class Terms:
         self, barrier: int, term: int, deadline: Deadline, *, cancelled: Callable[[], bool] | None = None
     ) -> bytes:
         """The outcome of the term, once written (a decision or a lost mark)."""
-        raw = self.counted.get_blocking(self.outcome_key(barrier, term), deadline.remaining(), f"barrier {barrier}",
-                                        cancelled=cancelled)
+        while True:
+            raw = self.counted.get_blocking(self.outcome_key(barrier, term), deadline.remaining(),
+                                            f"barrier {barrier}", cancelled=cancelled)
+            # An outcome is never empty: b"" is a get that torch's libuv server woke early, on another
+            # client's compare_set of the missing key (store_ops.peek). Wait again, within the deadline.
+            if raw:
+                break
         self.saw(barrier, term)
         return raw
 

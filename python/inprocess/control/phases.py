@@ -38,6 +38,10 @@ class HangRule(enum.Enum):
     NONE = "none"  # the engine's own wait, bounded by its own timeout: no hang detection
     SOFT_AND_HARD = "soft_and_hard"  # both timeouts, armed by HangGuard.training() around the function's run
     HARD_ONLY = "hard_only"  # the hard timeout only, its clock restarted at the phase's entry
+    # The hard timeout only, while a thread of the rank stamps its progress: a rank that waits (for
+    # its peers, in a blocking store call) is alive; one frozen (SIGSTOP) or held by a C call that
+    # keeps the GIL stamps nothing and is killed.
+    HARD_WHILE_WAITING = "hard_while_waiting"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,8 @@ _IN_ORDER = (
          fault_when="the restart's finalize hook is about to run"),
     _row(Phase.HEALTH_CHECK, in_restart=True, hang_rule=HangRule.HARD_ONLY, fault_name="health_check",
          fault_when="the restart's health check is about to run"),
-    _row(Phase.RESTART_BARRIER, in_restart=True, counted_in_barrier=True, fault_name="barrier",
+    _row(Phase.RESTART_BARRIER, in_restart=True, hang_rule=HangRule.HARD_WHILE_WAITING, counted_in_barrier=True,
+         fault_name="barrier",
          fault_when="the rank arrives at the restart barrier"),
     _row(Phase.COMPLETION),
     _row(Phase.DONE, finished=True),

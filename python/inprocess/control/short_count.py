@@ -66,7 +66,11 @@ def lost_ranks(p: Any, barrier: int) -> tuple[set[int], bool]:
     lost: set[int] = set()
     term = 0
     while True:
-        raw = p.counted.peek(p.terms.outcome_key(barrier, term))
+        key = p.terms.outcome_key(barrier, term)
+        # Not a peek while the key is missing: the ranks wait for this term's outcome, and torch's libuv
+        # server would wake them on that compare_set with b"" (store_ops.peek; seen as "corrupted
+        # decision record b''" when a monitor counted a frozen rank out of a barrier).
+        raw = p.counted.peek(key) if p.counted.check([key]) else None
         if raw is None:
             return lost, False
         mark = parse_lost_mark(raw)

@@ -143,6 +143,7 @@ class RankRuntime:
         self.heartbeat = _native.HeartbeatPage.create()
         stack.callback(self.heartbeat.close)
         self.hang_guard = HangGuard(self.heartbeat, _seconds(t.soft_timeout), _seconds(t.hard_timeout))
+        stack.callback(self.hang_guard.close)  # its stamps end before the page goes
 
         self.interrupter = MainThreadInterrupter()
         self.interrupter.install()
