@@ -273,6 +273,21 @@ def test_every_leader_dies_in_turn(tmp_path: pathlib.Path) -> None:
     report("sigkill of every leader of barrier 2 in turn", rcs=res.returncodes, took_s=took)
 
 
+def assert_rank_2_killed_at_hard_timeout(res: JobResult, phase: str, within_s: float) -> float:
+    """Ranks 0, 1 and 3 went on in iteration 1 without rank 2, which its monitor killed at hard_timeout
+    in ``phase`` (as the monitor names it); returns the seconds from rank 1's fault to their resumption."""
+    for r in (0, 1, 3):
+        log = assert_survivor(res, r, 1, 3)
+        restart = log["restarts"][0]
+        assert restart["terminated"] == [2], restart
+        hung = [f for f in restart["faults"] if f["rank"] == 2]
+        assert [f["kind"] for f in hung] == ["hard_timeout"], restart["faults"]
+        assert f"phase {phase}" in hung[0]["message"], hung[0]["message"]
+    took = resume_s(res, [0, 1, 3], 0, fault_time_ns(res, 1, 0))
+    assert 3.5 < took < within_s, took
+    return took
+
+
 # A hang that never ends on entering a restart phase (a finalize hook blocked on a dead file
 # system or a lock, with the GIL released or held): the hung rank's monitor kills it at
 # hard_timeout, counted from the phase's entry, and the others go on without it.
@@ -289,17 +304,9 @@ def test_a_hang_for_good_on_entering_a_restart_phase(tmp_path: pathlib.Path, kin
     it and every other rank left at barrier_timeout (15 s) with TimeoutError."""
     res = run_matrix(tmp_path, f"exception@rank=1,step=2;{kind}@rank=2,phase={phase}", MATRIX_STEPS="12")
     assert res.returncodes[2] == -signal.SIGTERM, (res.returncodes, res.describe()[-3000:])  # SIGTERM's default
-    for r in (0, 1, 3):
-        log = assert_survivor(res, r, 1, 3)
-        restart = log["restarts"][0]
-        assert restart["terminated"] == [2], restart
-        hung = [f for f in restart["faults"] if f["rank"] == 2]
-        assert [f["kind"] for f in hung] == ["hard_timeout"], restart["faults"]
-        assert f"phase {ENGINE_PHASE[phase]}" in hung[0]["message"], hung[0]["message"]
     # From rank 1's fault to the survivors' next iteration: the phase's hard_timeout (4 s), the
     # kill (SIGTERM ends it at once, the grace is 1 s), the count-out, well within barrier_timeout.
-    took = resume_s(res, [0, 1, 3], 0, fault_time_ns(res, 1, 0))
-    assert 3.5 < took < 7.5, took
+    took = assert_rank_2_killed_at_hard_timeout(res, ENGINE_PHASE[phase], 7.5)
     report(f"{kind} for good on entering {phase}", outcome="rank 2 killed at hard_timeout, 3 finish",
            rcs=res.returncodes, resume_s=took)
 
@@ -315,17 +322,9 @@ def test_a_rank_frozen_at_the_restart_barrier(tmp_path: pathlib.Path, kind: str,
     counted rank 2 out and every other rank left at barrier_timeout (15 s): the job ended."""
     res = run_matrix(tmp_path, f"exception@rank=1,step=2;{kind}@rank=2,phase=barrier", MATRIX_STEPS="12")
     assert res.returncodes[2] in (status, -signal.SIGKILL), (res.returncodes, res.describe()[-3000:])
-    for r in (0, 1, 3):
-        log = assert_survivor(res, r, 1, 3)
-        restart = log["restarts"][0]
-        assert restart["terminated"] == [2], restart
-        hung = [f for f in restart["faults"] if f["rank"] == 2]
-        assert [f["kind"] for f in hung] == ["hard_timeout"], restart["faults"]
-        assert "phase RESTART_BARRIER" in hung[0]["message"], hung[0]["message"]
-    # The barrier phase's hard_timeout (4 s) from rank 2's arrival, the kill (a stopped process ends
-    # at SIGKILL, after the 1 s grace), the count-out: well within barrier_timeout.
-    took = resume_s(res, [0, 1, 3], 0, fault_time_ns(res, 1, 0))
-    assert 3.5 < took < 8.5, took
+    # The barrier phase's hard_timeout (4 s) from rank 2's arrival, the kill (a stopped process may
+    # end only at SIGKILL, after the 1 s grace), the count-out: well within barrier_timeout.
+    took = assert_rank_2_killed_at_hard_timeout(res, "RESTART_BARRIER", 8.5)
     report(f"{kind} on arriving at the restart barrier", outcome="rank 2 killed at hard_timeout, 3 finish",
            rcs=res.returncodes, resume_s=took)
 
