@@ -90,21 +90,12 @@ class HangGuard:
         self.begin_iteration = page.begin_iteration  # the iteration and world size a decision starts
         self.stamp_every_s = min(STAMP_EVERY_S, hard_timeout_s / 4)
         self._stamper: _Stamper | None = None  # while the phase's rule is HARD_WHILE_WAITING
-        self._waiting = False  # the phase's rule is HARD_WHILE_WAITING (the stamps pause while deciding)
 
-    def _stop_stamping(self) -> None:
+    def close(self) -> None:
+        """Stop the stamps, if any (at every change of rule, and before the page goes)."""
         stamper, self._stamper = self._stamper, None
         if stamper is not None:
             stamper.stop()
-
-    def _start_stamping(self) -> None:
-        if self._stamper is None:
-            self._stamper = _Stamper(self.page, self.stamp_every_s)
-
-    def close(self) -> None:
-        """Stop the stamps (before the page goes)."""
-        self._waiting = False
-        self._stop_stamping()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -141,8 +132,7 @@ class HangGuard:
         if rule is HangRule.HARD_ONLY or rule is HangRule.HARD_WHILE_WAITING:
             self._hard_timeout_only(phase)
             if rule is HangRule.HARD_WHILE_WAITING:
-                self._waiting = True
-                self._start_stamping()
+                self._stamper = _Stamper(self.page, self.stamp_every_s)
             return
         # NONE, and SOFT_AND_HARD: those timeouts are armed by training() around the run, not at the entry.
         page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
@@ -152,14 +142,14 @@ class HangGuard:
     def deciding(self) -> Iterator[None]:
         """The hard timeout only, from now, while the leader decides (in a barrier's phase), on the
         main thread's own progress; then the barrier's rule again."""
-        self._stop_stamping()
+        self.close()
         self._hard_timeout_only(None)
         try:
             yield
         finally:
-            if self._waiting:
-                self._hard_timeout_only(None)
-                self._start_stamping()
+            phase = self.page.snapshot().phase  # the barrier's: its rule again
+            if phases.row(phase).hang_rule is HangRule.HARD_WHILE_WAITING:
+                self.enter(phase)
             else:
                 self.page.set_flag(_native.FLAG_HANG_PROTECTION_OFF, True)
 
