@@ -175,12 +175,7 @@ class Terms:
         """Whether barrier ``barrier`` has its decision (reads the chain without waiting)."""
         term = 0
         while True:
-            key = self.outcome_key(barrier, term)
-            # Not a peek while the key is missing: torch's libuv server wakes the key's
-            # waiters on that compare_set, and their get then answers b"".
-            if not self.counted.check([key]):
-                return False
-            raw = self.counted.peek(key)
+            raw = self.counted.peek_awaited(self.outcome_key(barrier, term))  # the ranks may wait for it
             if raw is None:
                 return False
             if parse_lost_mark(raw) is None:

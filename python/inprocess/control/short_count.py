@@ -66,11 +66,10 @@ def lost_ranks(p: Any, barrier: int) -> tuple[set[int], bool]:
     lost: set[int] = set()
     term = 0
     while True:
-        key = p.terms.outcome_key(barrier, term)
-        # Not a peek while the key is missing: the ranks wait for this term's outcome, and torch's libuv
-        # server would wake them on that compare_set with b"" (store_ops.peek; seen as "corrupted
-        # decision record b''" when a monitor counted a frozen rank out of a barrier).
-        raw = p.counted.peek(key) if p.counted.check([key]) else None
+        # The ranks wait for this term's outcome: a plain peek of it while missing would wake them with
+        # b"" (store_ops.peek; seen as "corrupted decision record b''" when a monitor counted a frozen
+        # rank out of a barrier).
+        raw = p.counted.peek_awaited(p.terms.outcome_key(barrier, term))
         if raw is None:
             return lost, False
         mark = parse_lost_mark(raw)

@@ -252,6 +252,11 @@ class CountingStore:
         value = self.compare_set(key, ABSENT, ABSENT)
         return None if value == ABSENT.encode() else value
 
+    def peek_awaited(self, key: str) -> bytes | None:
+        """:meth:`peek` of a key that others may wait for: a ``check`` first, so that a missing key
+        wakes nobody (one request more)."""
+        return self.peek(key) if self.check([key]) else None
+
     def wait_key(
         self, key: str, timeout: float | None, what: str, *, cancelled: Callable[[], bool] | None = None
     ) -> None:
