@@ -339,6 +339,7 @@ class Recovery:
         # Before the fault is reported: its restart is for the others, this rank must not abort itself.
         rt.trigger.stop(timeout=0)
         s.mode = Mode.TERMINATED
+        rt.store_may_be_gone = leaving.reason in (Leave.JOB_ENDED, Leave.GAVE_UP)
         log.warning("rank %d leaves the job (%s): %s: %s", s.initial_rank, leaving.reason.value,
                     type(exc).__name__, exc)
         rt.emit("exit", outcome="terminated", reason=leaving.reason.value, iteration=s.iteration,

@@ -101,6 +101,9 @@ class RankRuntime:
         self._seats_per_key: int | None = None  # proposed for the call's seats (control/seat_table.py)
         self._node_agent: HelperProcess | None = None
         self._store_sockets: dict[int, str] = {}
+        # Set by a rank leaving on the job's abort or after giving up at a barrier: no rank writes
+        # "done" for such an ending, and the store host may have exited on its idle timeout already.
+        self.store_may_be_gone = False
 
     @classmethod
     def open(
@@ -390,6 +393,8 @@ class RankRuntime:
     def _call_is_done(self) -> bool:
         if getattr(self, "protocol", None) is not None and self.protocol.finished:
             return True  # ended here: the store host exits, and a request now would meet a closed server
+        if self.store_may_be_gone:
+            return False  # asked nothing: torch's client logs a C++ stack trace for a request to a closed server
         try:
             return bool(self.store.check([done_key(self.call_index, self.incarnation)]))
         except Exception:  # the server went away: so did the call
