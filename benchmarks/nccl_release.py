@@ -18,10 +18,12 @@ communicator's proxy threads have exited, and they read the abort flag only befo
 - ``multi_rank``: every rank releases at the same instant (revoke on and off), one rank per GPU, or
   two ranks on one GPU where NCCL 2.30+ allows it (``NCCL_MULTI_RANK_GPU_ENABLE=1``);
 - ``restart``: a wrapped job restarting, rounds alternating the teardown inside the abort
-  (``AbortTorchDistributed(overlap_teardown=False)``, before) and beside the rest of the restart
-  (the default, Stage 1, after): the abort phase, the teardown, the gate's wait and the critical
-  path (the restart trigger woke -> the function called again). Without a GPU it runs on the
-  fakes of ``tests/fakes`` (a fake NCCL whose abort takes 1 s): a model of the schedule, not NCCL.
+  (``AbortTorchDistributed(overlap_teardown=False)``, before), beside the rest of the restart
+  (the default, Stage 1) and beside the next iteration too (``overlap_next_iteration=True``,
+  Stage 2, whose first restart waits to measure the memory the teardown frees): the abort phase,
+  the teardown, the gate's wait and the critical path (the restart trigger woke -> the function
+  called again). Without a GPU it runs on the fakes of ``tests/fakes`` (a fake NCCL whose abort
+  takes 1 s, communicators of 1 GiB on a 16 GiB device): a model of the schedule, not NCCL.
 
 ``--out DIR`` writes ``nccl_release.json`` and NCCL's own log of each case (``NCCL_DEBUG=INFO``,
 timestamped to the microsecond) there; without it nothing is written. Prints a table and one JSON line.
@@ -45,6 +47,7 @@ import reaping  # benchmarks/reaping.py: this script's folder is first on the pa
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = HERE / "nccl_release_cases.py"
 MODES = ("steps", "aborts", "sweep", "poll_cap", "multi_rank", "restart")
+STAGES = {"inside": "inside the abort", "stage1": "beside (Stage 1)", "stage2": "beside next (Stage 2)"}
 DELAYS = (0.025, 0.25, 0.5, 0.75, 1.0, 1.25)
 CASE_TIMEOUT_S = 240
 NCCL_LOG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,PROXY", "NCCL_DEBUG_TIMESTAMP_LEVELS": "ALL",
@@ -147,18 +150,22 @@ def mode_multi_rank(ctx: Context) -> dict[str, Any]:
 
 
 def mode_restart(ctx: Context) -> dict[str, Any]:
+    # A fault at once in every iteration is a storm: the brake (inprocess/engine/storm.py) would back
+    # off from the third restart on, and the rows would time its back-off instead.
     env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-                           "NCCL_NVLS_ENABLE": "0"}
+                           "NCCL_NVLS_ENABLE": "0", "INPROCESS_RESTART_STORM": "off"}
     ranks, fakes = max(ctx.gpus, 1), ctx.gpus == 0
     if fakes:
         env.update(ctx.fake_env())
     rounds: list[Any] = []
     for _ in range(1 if ctx.smoke else 2):  # before and after, alternating
-        for overlap in (False, True):
-            arguments = {"case": "restart", "fakes": fakes, "overlap": overlap, "restarts": 2 if ctx.smoke else 4,
-                         "finalize_ms": ctx.finalize_ms}
-            rounds.append(run_job(arguments, ranks, env, None if fakes else ctx.log(f"restart-{overlap}")))
-    return {"ranks": ranks, "fakes": fakes, "finalize_ms": ctx.finalize_ms, "rounds": rounds}
+        for stage in STAGES:
+            arguments = {"case": "restart", "fakes": fakes, "stage": stage, "restarts": 2 if ctx.smoke else 4,
+                         "finalize_ms": ctx.finalize_ms, "run_ms": ctx.run_ms}
+            # Stage 2 makes NCCL calls beside the old communicators' aborts on purpose: the fake counts them.
+            strict = {"FAKE_NCCL_ALONE_DURING_ABORT": "0"} if fakes and stage == "stage2" else {}
+            rounds.append(run_job(arguments, ranks, {**env, **strict}, None if fakes else ctx.log(f"restart-{stage}")))
+    return {"ranks": ranks, "fakes": fakes, "finalize_ms": ctx.finalize_ms, "run_ms": ctx.run_ms, "rounds": rounds}
 
 
 class Context:
@@ -169,6 +176,7 @@ class Context:
         self.scratch = scratch
         self.gpus = gpus()
         self.finalize_ms = args.finalize_ms
+        self.run_ms = args.run_ms
 
     def need_gpu(self) -> None:
         if self.gpus == 0:
@@ -190,7 +198,8 @@ class Context:
         except BaseException as e:  # pytest's skip when there is no C compiler
             raise Skipped(f"no GPU, and the fakes could not be built: {e}") from None
         return {"FAKE_PATHS": json.dumps(fakes.paths), "INPROCESS_LIBNCCL": fakes["nccl"], "FAKE_NCCL_MODE": "ok",
-                "FAKE_NCCL_TEARDOWN_MS": "1000", "FAKE_NCCL_ALONE_DURING_ABORT": "1"}
+                "FAKE_NCCL_TEARDOWN_MS": "1000", "FAKE_NCCL_ALONE_DURING_ABORT": "1",
+                "FAKE_NCCL_COMM_BYTES": str(1 << 30), "FAKE_CUDA_MEMORY_BYTES": str(16 << 30)}
 
 
 RUNNERS = {"steps": mode_steps, "aborts": mode_aborts, "sweep": mode_sweep, "poll_cap": mode_poll_cap,
@@ -209,21 +218,26 @@ def _stats(values: list[float]) -> str:
 
 def print_restart(result: dict[str, Any]) -> None:
     print(f"\nrestart ({result['ranks']} rank(s){', fakes: a model, NCCL abort = 1 s' if result['fakes'] else ''}, "
-          f"finalize {result['finalize_ms']} ms)   median / max ms over every rank and restart")
+          f"finalize {result['finalize_ms']} ms, {result['run_ms']} ms of training before each fault)   "
+          "median / max ms over every rank and restart")
     columns = ("abort", "finalize", "health_check", "barrier", "teardown_ms", "gate_ms", "decided_to_call",
                "critical_path")
     print(f"  {'NCCL teardown':22s}" + "".join(f"{c.removesuffix('_ms'):>18s}" for c in columns))
-    by_overlap: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    by_stage: dict[str, list[dict[str, Any]]] = {stage: [] for stage in STAGES}
     for job in result["rounds"]:
         for rank in job:
-            by_overlap[rank["overlap"]].extend(rank["restarts"])
-    for overlap, records in by_overlap.items():
-        name = "beside (Stage 1)" if overlap else "inside the abort"
-        print(f"  {name:22s}" + "".join(f"{_stats([r[c] for r in records if c in r]):>18s}" for c in columns))
-    before = [r["critical_path"] for r in by_overlap[False]]
-    after = [r["critical_path"] for r in by_overlap[True]]
-    if before and after:
-        print(f"  critical path after / before (medians): {statistics.median(after) / statistics.median(before):.2f}")
+            by_stage[rank["stage"]].extend(rank["restarts"])
+    measuring = [r for r in by_stage["stage2"] if not r.get("beside_next")]
+    by_stage["stage2"] = [r for r in by_stage["stage2"] if r.get("beside_next")]
+    for stage, records in by_stage.items():
+        print(f"  {STAGES[stage]:22s}" + "".join(f"{_stats([r[c] for r in records if c in r]):>18s}" for c in columns))
+    print(f"  (Stage 2: {len(measuring)} restart(s) waited to measure the memory the teardown frees, left out above)")
+    before = [r["critical_path"] for r in by_stage["inside"]]
+    for stage in ("stage1", "stage2"):
+        after = [r["critical_path"] for r in by_stage[stage]]
+        if before and after:
+            print(f"  critical path {STAGES[stage]} / inside the abort (medians): "
+                  f"{statistics.median(after) / statistics.median(before):.2f}")
 
 
 def _sample_rows(prefix: str, value: Any) -> list[str]:
@@ -258,14 +272,16 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=3, help="samples per setting (default 3)")
     parser.add_argument("--finalize-ms", type=int, default=200,
                         help="the restart mode's finalize hook sleeps this long (a user's finalize; default 200)")
+    parser.add_argument("--run-ms", type=int, default=1500,
+                        help="the restart mode's iterations train this long before their fault (default 1500)")
     parser.add_argument("--out", default=None, help="folder for nccl_release.json and NCCL's logs")
     parser.add_argument("--smoke", action="store_true", help="one sample, fewer delays and restarts")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
-    if unknown or args.samples < 1 or args.finalize_ms < 0:
-        parser.error(f"--modes={args.modes!r} --samples={args.samples} --finalize-ms={args.finalize_ms}: "
-                     f"expected modes of {MODES}, samples >= 1, finalize-ms >= 0")
+    if unknown or args.samples < 1 or args.finalize_ms < 0 or args.run_ms < 0:
+        parser.error(f"--modes={args.modes!r} --samples={args.samples} --finalize-ms={args.finalize_ms} "
+                     f"--run-ms={args.run_ms}: expected modes of {MODES}, samples >= 1, finalize-ms >= 0, run-ms >= 0")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nccl-release-") as scratch:
         ctx = Context(args, pathlib.Path(scratch))

@@ -208,17 +208,28 @@ def case_restart(args: dict[str, Any]) -> dict[str, Any]:
 
         health = CudaHealthCheck()
 
+    if fakes:
+        from fakes.fake_torch_nccl import mem_get_info  # _fake_groups put tests/ on the path
+        from fakes.gpu_fakes import Fakes
+
+        paths = Fakes(json.loads(os.environ["FAKE_PATHS"]))
+        nccl_reaper.device_memory = lambda device: mem_get_info(paths, device)  # torch.cuda.mem_get_info
+    stage = args["stage"]  # "inside" the abort, "stage1" (beside the restart), "stage2" (beside the next iteration)
+
     def initialize(state: Any) -> None:
         last = nccl_reaper.REAPER.last
         if state.iteration > 0:
-            gates.append(None if last is None else {"teardown_ms": 1e3 * last.took_s, "gate_ms": 1e3 * last.waited_s})
+            beside = nccl_reaper.REAPER.in_flight()  # Stage 2 let the call through with the teardown running
+            gates.append({"beside_next": beside} if last is None or beside else
+                         {"teardown_ms": 1e3 * last.took_s, "gate_ms": 1e3 * last.waited_s, "beside_next": False})
         nccl_reaper.REAPER.last = None
 
     def finalize(state: Any) -> None:
         time.sleep(args["finalize_ms"] / 1e3)  # a user's finalize (a checkpoint flushed, logs written)
 
     @inprocess.Wrapper(
-        abort=AbortTorchDistributed(nccl_timeout=datetime.timedelta(seconds=30), overlap_teardown=args["overlap"]),
+        abort=AbortTorchDistributed(nccl_timeout=datetime.timedelta(seconds=30), overlap_teardown=stage != "inside",
+                                    overlap_next_iteration=stage == "stage2"),
         initialize=initialize, finalize=finalize, health_check=health,
         soft_timeout=datetime.timedelta(seconds=60), hard_timeout=datetime.timedelta(seconds=90),
         barrier_timeout=datetime.timedelta(seconds=120),
@@ -235,6 +246,9 @@ def case_restart(args: dict[str, Any]) -> dict[str, Any]:
             _groups(2)
         if call_wrapper.iteration < args["restarts"]:
             if rank == world - 1:
+                # The iteration trains a while first: longer than NCCL's teardown, as faults minutes
+                # apart are (a fault during a Stage 2 teardown waits for it: another measurement).
+                time.sleep(args["run_ms"] / 1e3)
                 raise ValueError("the benchmark's fault")
             _stuck_collective(fakes, groups)
         return [_phases(r) for r in call_wrapper.restarts]
@@ -242,7 +256,7 @@ def case_restart(args: dict[str, Any]) -> dict[str, Any]:
     records = train()
     for record, gate in zip(records, gates, strict=False):  # a rank that never restarted has no gate
         record.update(gate or {})
-    return {"rank": rank, "overlap": args["overlap"], "restarts": records}
+    return {"rank": rank, "stage": stage, "restarts": records}
 
 
 def _phases(r: Any) -> dict[str, float]:

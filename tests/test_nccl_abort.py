@@ -285,5 +285,10 @@ def test_abort_hook_validates_its_arguments() -> None:
         AbortTorchDistributed(torch_fr_trace_path="x_{host}")
     with pytest.raises(ValueError, match="nccl_timeout=datetime.timedelta\\(0\\)"):
         AbortTorchDistributed(nccl_timeout=datetime.timedelta(0))
+    with pytest.raises(ValueError, match="overlap_next_iteration=True needs overlap_teardown=True"):
+        AbortTorchDistributed(overlap_teardown=False, overlap_next_iteration=True)
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ValueError, match=f"overlap_memory_bytes={bad!r}: expected an int >= 0 or None"):
+            AbortTorchDistributed(overlap_next_iteration=True, overlap_memory_bytes=bad)  # type: ignore[arg-type]
     hook = AbortTorchDistributed(torch_fr_trace_path="/tmp/fr_{rank}")
     assert hook.torch_fr_trace_path == "/tmp/fr_{rank}"

@@ -130,9 +130,27 @@ nccl.fake_nccl_calls_beside_abort.restype = ctypes.c_long
 nccl.fake_nccl_collective_wait.argtypes = [ctypes.c_void_p, ctypes.c_int]
 rank = int(os.environ["RANK"])
 plan = json.loads(os.environ["REAPER_TEST_PLAN"])
+if plan.get("log_info"):
+    import logging
+    logging.basicConfig(level=logging.INFO)
 
 groups = []  # this iteration's NCCL groups: what AbortTorchDistributed finds registered in torch
 abort_hook.nccl_backends = lambda torch, dist: list(groups)
+nccl_reaper.device_memory = lambda device: mem_get_info(fakes, device)  # torch.cuda.mem_get_info
+handed_while_tearing_down = []  # per hand-over: a teardown was still running (a fault beside Stage 2)
+running_when_aborts_start = []  # NCCL aborts running when a teardown's aborts start
+original_hand_over, original_aborts = nccl_reaper.REAPER.hand_over, nccl_abort.Aborts.__init__
+
+def hand_over(*args, **kwargs):
+    handed_while_tearing_down.append(nccl_reaper.REAPER.in_flight())
+    return original_hand_over(*args, **kwargs)
+
+def aborts(self, backends):
+    running_when_aborts_start.append(nccl.fake_nccl_aborts_running())
+    original_aborts(self, backends)
+
+nccl_reaper.REAPER.hand_over = hand_over
+nccl_abort.Aborts.__init__ = aborts
 destroyed_beside_abort = []
 original_destroy = dist.destroy_process_group
 
@@ -150,10 +168,13 @@ def health_check(state):
         raise RuntimeError("a second fault: the device is unhealthy")
 
 entries = []
+creation_failed = []
 released_after = []  # seconds a rank stuck in a collective waited for the abort's release
 
 @inprocess.Wrapper(
-    abort=abort_hook.AbortTorchDistributed(nccl_timeout=datetime.timedelta(seconds=plan["nccl_timeout_s"])),
+    abort=abort_hook.AbortTorchDistributed(nccl_timeout=datetime.timedelta(seconds=plan["nccl_timeout_s"]),
+                                           overlap_next_iteration=plan.get("beside_next", False),
+                                           overlap_memory_bytes=plan.get("memory_bytes")),
     health_check=health_check,
     soft_timeout=datetime.timedelta(seconds=20), hard_timeout=datetime.timedelta(seconds=40),
     barrier_timeout=datetime.timedelta(seconds=60),
@@ -163,14 +184,19 @@ def train(call_wrapper: inprocess.CallWrapper = None):
     entries.append(nccl.fake_nccl_aborts_running())
     dist.init_process_group("gloo", store=call_wrapper.store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     # The iteration's NCCL groups (their communicators' creation is an NCCL call), a collective on each.
-    groups[:] = [FakeProcessGroupNCCL(fakes, device=3, stream=7, bound=True) for _ in range(2)]
+    try:
+        groups[:] = [FakeProcessGroupNCCL(fakes, device=3, stream=7, bound=True) for _ in range(2)]
+    except RuntimeError as e:  # the device's memory (FAKE_CUDA_MEMORY_BYTES)
+        creation_failed.append(str(e))
+        raise
     for pg in groups:
         pg.launch_kernel()
     if iteration < plan["faults"]:
         if rank == plan["faulty_rank"]:
             # Only once the others are in their collective (else, on a loaded machine, the restart
             # could interrupt them before they are stuck, and nothing would show the abort's release).
-            call_wrapper.store.wait([f"stuck/{iteration}"], datetime.timedelta(seconds=30))
+            if int(os.environ["WORLD_SIZE"]) > 1:
+                call_wrapper.store.wait([f"stuck/{iteration}"], datetime.timedelta(seconds=30))
             raise ValueError(f"a fault in iteration {iteration}")
         stuck = time.monotonic()
         try:
@@ -192,7 +218,10 @@ last = nccl_reaper.REAPER.last
 outcome.update(entries=entries, released_after=released_after, destroyed_beside_abort=destroyed_beside_abort,
                beside=nccl.fake_nccl_calls_beside_abort(), running=nccl.fake_nccl_aborts_running(),
                teardown=None if last is None else {"took": last.took_s, "waited": last.waited_s,
-                                                    "aborted": last.aborted})
+                                                    "aborted": last.aborted},
+               creation_failed=creation_failed, freed_bytes=nccl_reaper.REAPER.freed_bytes,
+               handed_while_tearing_down=handed_while_tearing_down,
+               running_when_aborts_start=running_when_aborts_start)
 print("REPORT " + json.dumps(outcome), flush=True)
 """
 
@@ -282,3 +311,92 @@ def test_a_teardown_past_its_deadline_makes_the_rank_leave_with_75(fakes: Fakes,
     assert job.ranks[0].returncode == EXIT_CODE_UNRELEASABLE, out
     assert "did not return by its deadline" in out, out
     assert f"exits (code {EXIT_CODE_UNRELEASABLE}) without touching torch's process groups" in out, out
+
+
+# -- Stage 2: the teardown beside the next iteration ------------------------------------------
+
+GIB = 1 << 30
+
+
+def stage_two(fakes: Fakes, tmp_path: pathlib.Path, plan: dict[str, Any], memory_gib: int,
+              timeout: float = 100, **env: str) -> LocalJob:
+    """Two ranks with Stage 2 asked for, communicators of 1 GiB on a device of `memory_gib`. The fake
+    counts NCCL calls beside an abort instead of ending the process: Stage 2 makes them on purpose
+    (creations and kernels of the next iteration's communicators, never of one being aborted: that
+    would end the process as a use of a freed communicator)."""
+    return run_job(fakes, tmp_path, 2, {"beside_next": True, **plan}, timeout=timeout,
+                   FAKE_NCCL_ALONE_DURING_ABORT="0", FAKE_NCCL_COMM_BYTES=str(GIB),
+                   FAKE_CUDA_MEMORY_BYTES=str(memory_gib * GIB), **env)
+
+
+@pytest.mark.timeout(150)
+def test_stage_two_runs_the_next_iteration_beside_the_teardown_once_it_knows_the_room_it_needs(
+        fakes: Fakes, tmp_path: pathlib.Path) -> None:
+    """The first restart waits for the teardown and measures what it frees (the two old communicators'
+    2 GiB); the second finds that much free and calls the function at once, its new communicators
+    created while the old ones' aborts still run; the call's end waits for the teardown."""
+    job = stage_two(fakes, tmp_path, {"faults": 2}, memory_gib=16)
+    out = job.outputs()
+    assert [rp.returncode for rp in job.ranks] == [0, 0], out
+    for report in reports(job):
+        assert report["returned"]["iteration"] == 2, report
+        assert report["freed_bytes"] == 2 * GIB, report
+        assert report["entries"][:2] == [0, 0] and report["entries"][2] > 0, report  # Stage 1, then Stage 2
+        assert report["beside"] > 0 and report["running"] == 0 and not report["creation_failed"], report
+        first, second = report["returned"]["phases"]
+        assert first["to_call_ms"] >= TEARDOWN_MS, report
+        assert second["to_call_ms"] < TEARDOWN_MS, report  # the gate let the call through at once
+        assert report["running_when_aborts_start"] == [0, 0], report
+
+
+@pytest.mark.timeout(150)
+def test_stage_two_waits_where_the_device_cannot_hold_old_and_new_communicators(
+        fakes: Fakes, tmp_path: pathlib.Path) -> None:
+    """A device of 3 GiB holds the old communicators (2 GiB) or the new ones, not both: every gate
+    waits (Stage 1), and no creation fails."""
+    job = stage_two(fakes, tmp_path, {"faults": 2, "log_info": True}, memory_gib=3)
+    out = job.outputs()
+    assert [rp.returncode for rp in job.ranks] == [0, 0], out
+    assert "the next iteration waits for it: cuda:3 has 1024 MiB free, the old communicators hold 2048 MiB" in out
+    for report in reports(job):
+        assert report["returned"]["iteration"] == 2 and report["entries"] == [0, 0, 0], report
+        assert not report["creation_failed"] and report["beside"] == 0, report
+
+
+@pytest.mark.timeout(150)
+def test_without_the_room_check_the_next_iteration_runs_out_of_device_memory(
+        fakes: Fakes, tmp_path: pathlib.Path) -> None:
+    """The test above can fail: told that no memory is needed (overlap_memory_bytes=0), the next
+    iteration's creation meets the old communicators' 2 GiB on the 3 GiB device and fails."""
+    job = stage_two(fakes, tmp_path, {"faults": 1, "memory_bytes": 0}, memory_gib=3)
+    out = job.outputs()
+    assert any("out of memory" in failure for report in reports(job) for failure in report["creation_failed"]), out
+
+
+@pytest.mark.timeout(150)
+def test_a_fault_during_stage_two_waits_for_the_teardown_before_its_own_aborts(
+        fakes: Fakes, tmp_path: pathlib.Path) -> None:
+    """The iteration that runs beside a 3 s teardown fails at once: its hand-over finds the teardown
+    running and waits for it (bounded by its deadline) before its own aborts start, which then run
+    alone; the job ends normally."""
+    job = stage_two(fakes, tmp_path, {"faults": 3}, memory_gib=16, FAKE_NCCL_TEARDOWN_MS="3000")
+    out = job.outputs()
+    assert [rp.returncode for rp in job.ranks] == [0, 0], out
+    for report in reports(job):
+        assert report["returned"]["iteration"] == 3, report
+        assert report["handed_while_tearing_down"][:2] == [False, False], report
+        assert report["handed_while_tearing_down"][2], report  # the third fault came during Stage 2
+        assert report["running_when_aborts_start"] == [0, 0, 0], report  # yet no two teardowns at once
+
+
+@pytest.mark.timeout(150)
+def test_a_fault_beside_a_stage_two_teardown_that_never_returns_leaves_with_75(
+        fakes: Fakes, tmp_path: pathlib.Path) -> None:
+    """An abort that never returns, left beside the next iteration: the reaper logs its deadline (1 s),
+    and the next fault's hand-over raises at once instead of starting aborts beside it: the rank
+    leaves with 75."""
+    job = run_job(fakes, tmp_path, 1, {"faults": 2, "beside_next": True, "memory_bytes": 0, "nccl_timeout_s": 1},
+                  timeout=60, FAKE_NCCL_MODE="abort_hangs", FAKE_NCCL_ALONE_DURING_ABORT="0")
+    out = job.outputs()
+    assert job.ranks[0].returncode == EXIT_CODE_UNRELEASABLE, out
+    assert "NCCL teardown beside the next iteration" in out and "did not return by its deadline" in out, out

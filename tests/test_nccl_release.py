@@ -32,7 +32,7 @@ PRELUDE = """
 import ctypes, json, os, sys, threading, time
 sys.path.insert(0, {tests!r})
 from fakes.gpu_fakes import Fakes
-from fakes.fake_torch_nccl import FakeProcessGroupNCCL
+from fakes.fake_torch_nccl import FakeProcessGroupNCCL, mem_get_info
 from inprocess import _native
 from inprocess.gpu import NcclAbortTimeout, libraries, nccl_abort
 fakes = Fakes(json.loads(os.environ["FAKE_PATHS"]))

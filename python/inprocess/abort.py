@@ -63,6 +63,14 @@ class AbortTorchDistributed(Abort):
     (exit status 75, without touching torch's groups again: the abandoned
     abort holds their locks).
 
+    ``overlap_next_iteration=True`` (opt-in, with ``overlap_teardown``) lets
+    the teardown go on beside the next iteration (its ``init_process_group``
+    and first steps) where the rank's device has room for the new
+    communicators beside the old ones: ``overlap_memory_bytes`` free, or (None)
+    what the old communicators freed at an earlier restart, whose gate waited
+    to measure it (see :mod:`inprocess.gpu.nccl_reaper`, Stage 2). It goes
+    beyond what NCCL's documentation promises (docs/gpu.md).
+
     ``revoke=True`` revokes the blocking communicators first
     (``ncclCommRevoke``, NCCL 2.28.7 and later). It is off by default: no
     measurement shows it shortening a release, and a point-to-point kernel
@@ -83,7 +91,14 @@ class AbortTorchDistributed(Abort):
         fr_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
         revoke: bool = False,
         overlap_teardown: bool = True,
+        overlap_next_iteration: bool = False,
+        overlap_memory_bytes: int | None = None,
     ):
+        if overlap_next_iteration and not overlap_teardown:
+            raise ValueError("overlap_next_iteration=True needs overlap_teardown=True: the teardown can go on "
+                             "beside the next iteration only if it left the abort")
+        if overlap_memory_bytes is not None and not (type(overlap_memory_bytes) is int and overlap_memory_bytes >= 0):
+            raise ValueError(f"overlap_memory_bytes={overlap_memory_bytes!r}: expected an int >= 0 or None")
         values: dict[str, object] = {"nccl_timeout": nccl_timeout, "fr_timeout": fr_timeout}
         for name, value in values.items():
             if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
@@ -98,6 +113,8 @@ class AbortTorchDistributed(Abort):
         self.fr_timeout = fr_timeout
         self.revoke = revoke
         self.overlap_teardown = overlap_teardown
+        self.overlap_next_iteration = overlap_next_iteration
+        self.overlap_memory_bytes = overlap_memory_bytes
 
     def __call__(self, state: FrozenState) -> FrozenState:
         try:
@@ -118,7 +135,9 @@ class AbortTorchDistributed(Abort):
         if backends:
             timeout = self.nccl_timeout.total_seconds()
             if self.overlap_teardown:
-                report = nccl_reaper.REAPER.hand_over(backends, timeout, self.revoke)
+                report = nccl_reaper.REAPER.hand_over(backends, timeout, self.revoke,
+                                                      beside_next=self.overlap_next_iteration,
+                                                      memory_bytes=self.overlap_memory_bytes)
             else:
                 report = nccl_abort.release(backends, timeout, self.revoke)
             for error in report.errors:  # a communicator already broken by the fault

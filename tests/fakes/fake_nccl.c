@@ -55,6 +55,18 @@
  *   that do not share torch's communicator mutex can both complete it.
  *   fake_nccl_async_error_calls counts the calls per communicator.
  *
+ * - A communicator holds device memory from its creation until its abort
+ *   returns: ncclCommAbort's job stops the proxy threads first and frees the
+ *   device buffers after (NCCL master 5067397c src/init.cc: commDestroySync
+ *   calls ncclProxyStop at line 2762, then commFree at line 2778, which frees
+ *   them once "all proxy threads have been joined", lines 301-302, 338).
+ *   FAKE_NCCL_COMM_BYTES (default 0) is what each communicator holds;
+ *   FAKE_CUDA_MEMORY_BYTES (default 0: unlimited) the device's memory. A
+ *   creation that does not fit fails (fake_nccl_comm_create_on returns NULL:
+ *   ncclCommInitRankConfig's cudaMalloc, ncclUnhandledCudaError).
+ *   fake_cuda_mem_get_info answers as cudaMemGetInfo does for a device (what
+ *   torch.cuda.mem_get_info reads): free and total bytes.
+ *
  * FAKE_NCCL_MODE, read at every call:
  *   ok                 as above
  *   abort_hangs        ncclCommAbort never returns
@@ -96,6 +108,7 @@ struct ncclComm {
   int kernels;      /* kernels launched and not ended */
   int has_error;
   ncclResult_t error;
+  long bytes;       /* device memory held until the abort returns */
   long async_error_calls;
 };
 
@@ -118,6 +131,8 @@ static long g_group_ends;
 static int g_streams_released; /* test clean-up: every stream wait returns */
 static int g_aborts_running;    /* ncclCommAbort calls whose job has not finished */
 static long g_calls_beside_abort;
+#define MAX_DEVICES 16
+static long g_device_bytes[MAX_DEVICES]; /* held by communicators, per device */
 
 static int mode_is(const char* m) {
   const char* mode = getenv("FAKE_NCCL_MODE");
@@ -149,7 +164,7 @@ static void check_alone(const char* call) {
   }
 }
 
-static long env_ms(const char* name) {
+static long env_long(const char* name) {
   const char* v = getenv(name);
   return v ? atol(v) : 0;
 }
@@ -209,14 +224,38 @@ void fake_cudart_set_device(int device) { cudart_set_device(device); }
 static struct ncclComm* g_all[4096]; /* every communicator made: what shares a stream */
 static int g_all_count;
 
+static int device_slot(int device) { return device >= 0 && device < MAX_DEVICES ? device : 0; }
+
+/* cudaMemGetInfo on `device`: 0, or 1 for a device index out of range. */
+int fake_cuda_mem_get_info(int device, long* free_bytes, long* total_bytes) {
+  if (device < 0 || device >= MAX_DEVICES) return 1;
+  long total = env_long("FAKE_CUDA_MEMORY_BYTES");
+  pthread_mutex_lock(&g_mu);
+  long held = g_device_bytes[device];
+  pthread_mutex_unlock(&g_mu);
+  *total_bytes = total;
+  *free_bytes = total > held ? total - held : 0;
+  return 0;
+}
+
 struct ncclComm* fake_nccl_comm_create_on(int device, int blocking, int stream) {
+  long bytes = env_long("FAKE_NCCL_COMM_BYTES");
+  long total = env_long("FAKE_CUDA_MEMORY_BYTES");
+  pthread_mutex_lock(&g_mu);
+  check_alone("a communicator's creation (ncclCommInitRankConfig)");
+  if (total > 0 && g_device_bytes[device_slot(device)] + bytes > total) {
+    pthread_mutex_unlock(&g_mu);
+    return NULL; /* cudaMalloc: out of memory */
+  }
+  g_device_bytes[device_slot(device)] += bytes;
+  pthread_mutex_unlock(&g_mu);
   struct ncclComm* c = (struct ncclComm*)calloc(1, sizeof(struct ncclComm));
   c->magic = LIVE;
   c->device = device;
   c->blocking = blocking;
   c->stream = stream;
+  c->bytes = bytes;
   pthread_mutex_lock(&g_mu);
-  check_alone("a communicator's creation (ncclCommInitRankConfig)");
   if (g_all_count < 4096) g_all[g_all_count++] = c;
   pthread_mutex_unlock(&g_mu);
   return c;
@@ -330,13 +369,17 @@ static int stream_idle(const struct ncclComm* c) {
 
 /* An abort's job has run (or was dropped by a failed group end): the
  * proxy threads' exit first, when `teardown` (see FAKE_NCCL_TEARDOWN_MS). */
-static void abort_done(int teardown) {
-  long ms = teardown ? env_ms("FAKE_NCCL_TEARDOWN_MS") : 0;
+static void abort_done(struct ncclComm* c, int teardown) {
+  long ms = teardown ? env_long("FAKE_NCCL_TEARDOWN_MS") : 0;
   if (ms > 0) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
   }
   pthread_mutex_lock(&g_mu);
+  if (teardown) { /* commFree, once the proxy threads were joined */
+    g_device_bytes[device_slot(c->device)] -= c->bytes;
+    c->bytes = 0;
+  }
   g_aborts_running--;
   pthread_mutex_unlock(&g_mu);
 }
@@ -358,7 +401,7 @@ static void run_job(struct job j) {
   j.comm->in_progress = 0;
   pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
-  if (j.kind == JOB_ABORT) abort_done(1);
+  if (j.kind == JOB_ABORT) abort_done(j.comm, 1);
 }
 
 struct job_batch {
@@ -401,7 +444,7 @@ static ncclResult_t group_end(int counted) {
   pthread_mutex_unlock(&g_mu);
   if (error != kSuccess || batch->count == 0) { /* groupCleanup: nothing runs */
     for (int i = 0; i < batch->count; ++i) {
-      if (batch->jobs[i].kind == JOB_ABORT) abort_done(0);
+      if (batch->jobs[i].kind == JOB_ABORT) abort_done(batch->jobs[i].comm, 0);
     }
     if (batch != &local) free(batch);
     return error;

@@ -97,7 +97,10 @@ class FakeProcessGroupNCCL:
             getattr(self._nccl, name).argtypes = [ctypes.c_void_p]
         self._nccl.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
         self._nccl.fake_nccl_set_async_error.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        self.comm = int(self._nccl.fake_nccl_comm_create_on(device, 1 if blocking else 0, stream))
+        comm = self._nccl.fake_nccl_comm_create_on(device, 1 if blocking else 0, stream)
+        if not comm:  # ncclCommInitRankConfig's cudaMalloc failed (FAKE_CUDA_MEMORY_BYTES)
+            raise RuntimeError(f"NCCL error on device {device}: unhandled cuda error, Last error: out of memory")
+        self.comm = int(comm)
         self._pg = self._c10d.fake_pg_new()
         # A blocking communicator is initialized when created; a non-blocking one
         # only once getNcclComm() saw it ready (NCCLUtils.cpp, NCCLComm::create).
@@ -237,3 +240,13 @@ class FakeProcessGroupNCCL:
                     self.watchdog_freed.set()
                 return
             time.sleep(0.005)
+
+
+def mem_get_info(fakes: Fakes, device: int) -> tuple[int, int]:
+    """What ``torch.cuda.mem_get_info(device)`` answers (cudaMemGetInfo): (free, total) bytes of the
+    fake device, whose communicators hold FAKE_NCCL_COMM_BYTES each until their abort returned."""
+    nccl = ctypes.CDLL(fakes["nccl"], mode=os.RTLD_NOLOAD)
+    free, total = ctypes.c_long(0), ctypes.c_long(0)
+    if nccl.fake_cuda_mem_get_info(device, ctypes.byref(free), ctypes.byref(total)) != 0:
+        raise RuntimeError(f"CUDA error: invalid device ordinal {device}")
+    return free.value, total.value

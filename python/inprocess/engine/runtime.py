@@ -44,6 +44,7 @@ from ..control.recovery_plan import Resource
 from ..control.seat_table import MAX_PER_KEY
 from ..events import EventLog
 from ..gpu import nccl_reaper
+from ..gpu.errors import NcclAbortTimeout
 from ..processes.contract import MonitorConfig, NodeAgentConfig, rank_log_format
 from ..processes.helper_process import HelperProcess
 from ..state import Mode, State
@@ -335,10 +336,12 @@ class RankRuntime:
         While NCCL's teardown of them still runs, they are forgotten instead,
         kept alive by the reaper until it is over (inprocess.gpu.nccl_reaper).
         NCCL's teardown is waited for, bounded by the abort's NCCL timeout:
-        past it, :class:`~inprocess.gpu.NcclAbortTimeout`.
+        past it, :class:`~inprocess.gpu.NcclAbortTimeout`; or, where the abort
+        asked for it and the device has room, it goes on beside the next
+        iteration (Stage 2) and the call's end waits for it.
         """
         if Resource.NCCL_TEARDOWN in resources:
-            nccl_reaper.REAPER.wait()
+            nccl_reaper.REAPER.gate()
         if Resource.PROCESS_GROUPS in resources:
             pg_tracker.release_groups(keep=nccl_reaper.REAPER.keep)
             sys.excepthook = self.saved_excepthook
@@ -387,6 +390,10 @@ class RankRuntime:
             agent.poll()
 
     def _release_process_groups(self, saved_excepthook: Any) -> None:
+        try:
+            nccl_reaper.REAPER.wait()  # a teardown left beside the last iteration (Stage 2) ends with the call
+        except NcclAbortTimeout as e:
+            log.error("the call ends with an NCCL teardown that did not return: %s", e)
         pg_tracker.release_groups(keep=nccl_reaper.REAPER.keep)
         sys.excepthook = saved_excepthook
 
