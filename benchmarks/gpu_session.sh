@@ -36,7 +36,8 @@ step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND, output to OUT/NAME.txt, 
 } > "$OUT/machine.txt" 2>&1
 
 # About 2 minutes on one H200 (estimated, not yet run there: one sample per setting of the sweep and
-# of the abort paths; 2 rounds of 4 restarts before and after). Measured without a GPU: 56 s.
+# of the abort paths; one round of 4 restarts for each of the three teardowns, each iteration training
+# 1.5 s before its fault). Measured without a GPU (the restart mode on the fakes only): 52 s.
 step nccl_release 130 "$PY" benchmarks/nccl_release.py --samples 1 --out "$OUT"
 # The acceptance's GPU part: the GPU tests (Stage 1 on the real torch and NCCL among them) and the checks
 # on real torch, NCCL and driver. Its no-GPU part (the fakes, which skip under a CUDA build of torch) is

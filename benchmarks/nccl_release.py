@@ -158,7 +158,7 @@ def mode_restart(ctx: Context) -> dict[str, Any]:
     if fakes:
         env.update(ctx.fake_env())
     rounds: list[Any] = []
-    for _ in range(1 if ctx.smoke else 2):  # before and after, alternating
+    for _ in range(1 if ctx.samples == 1 else 2):  # each way in turn; two rounds unless one sample is asked for
         for stage in STAGES:
             arguments = {"case": "restart", "fakes": fakes, "stage": stage, "restarts": 2 if ctx.smoke else 4,
                          "finalize_ms": ctx.finalize_ms, "run_ms": ctx.run_ms}
