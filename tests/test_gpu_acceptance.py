@@ -42,7 +42,7 @@ def test_no_gpu_mode_runs_the_fakes_and_says_what_needs_a_gpu(tmp_path: pathlib.
     assert len(skipped) == 7, skipped
     assert all(r["detail"].startswith("needs an NVIDIA GPU: --no-gpu") for r in skipped), skipped
     for name in ("sticky CUDA error ends the rank with 76",
-                 "abort benchmark, real NCCL row: a hung all_reduce released",
+                 "abort benchmark, real NCCL row: a hung all_reduce released, the teardown timed",
                  "a collective stuck in one group while every group is aborted"):
         assert results[name]["status"] == "skip"
     assert set(report["environment"]) >= {"torch", "torch_cuda", "nccl", "cuda_driver", "gpus", "devices"}
@@ -88,5 +88,10 @@ def test_the_gpu_checks_judge_what_the_workers_report() -> None:
     assert judge([{"released_s": 2.4}, {"released_s": 3.1}], done)[0]
     assert not judge([{"released_s": 2.4}, {"released_s": 28.0}], done)[0]
     assert not judge([], done)[0]
-    ok, detail = acceptance._judge_latency([{"release_ms": [12.0, 30.0, 9.0, 11.0, 10.0]}], done)
-    assert ok and detail.startswith("hung all_reduce released by the abort: p50 11.0 ms, max 30.0 ms over 5 runs")
+    timed = {"release_ms": [12.0, 30.0, 9.0, 11.0, 10.0], "teardown_ms": [510.0, 980.0, 505.0, 520.0, 515.0]}
+    ok, detail = acceptance._judge_latency([timed], done)
+    assert ok and detail.startswith("hung all_reduce released by the abort: p50 11.0 ms, max 30.0 ms"), detail
+    assert "the abort returned (NCCL's teardown): p50 515.0 ms, max 980.0 ms" in detail, detail
+    assert not acceptance._judge_latency([dict(timed, release_ms=[60.0] * 5)], done)[0]  # the kernel not stopped
+    assert not acceptance._judge_latency([dict(timed, teardown_ms=[510.0] * 4 + [1500.0])], done)[0]  # a third poll
+    assert not acceptance._judge_latency([dict(timed, teardown_ms=[])], done)[0]  # an abort that never returned
