@@ -83,6 +83,6 @@ def test_a_staged_source_killed_mid_transfer_fails_every_receivers_restore() -> 
     codes, ranks = _run(3, [1], 1024, "cpu", "3")
     assert codes[1] == -9, ranks
     assert codes[0] == codes[2] == 0, ranks
-    for r in (0, 2):
-        assert "exception" in ranks[r] and "step" not in ranks[r], ranks
+    for r in (0, 2):  # gloo: "Connection reset by peer" / "Connection closed by peer"
+        assert "step" not in ranks[r] and "Connection" in ranks[r].get("exception", ""), ranks
     assert ranks[0]["staged"]["batches"] >= 3, ranks  # it received the three chunks sent, then lost the source
