@@ -134,17 +134,22 @@ def test_the_example_runs_as_documented() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow  # two jobs of 4 and 6 processes
 @pytest.mark.timeout(330)
-def test_a_source_that_dies_during_the_transfer_is_replaced_by_another_holder(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("staging", [None, "cpu"], ids=["gloo", "staged"])
+def test_a_source_that_dies_during_the_transfer_is_replaced_by_another_holder(staging: str | None,
+                                                                            tmp_path: pathlib.Path) -> None:
     """Rank 1 is killed at step 6; in the restore that follows, the source (initial rank 0)
     dies after three of its chunks (1 KiB each). The receiver's restore fails, the job restarts
     once more, the second spare takes rank 0's place, another holder sends the state to both
-    spares, and the job ends bitwise equal to the job without faults."""
+    spares, and the job ends bitwise equal to the job without faults. `staging`: gloo's own
+    transfer, or the NCCL path's (staged through two buffers, every point to point batched) over
+    gloo with CPU staging; on NCCL the receive from the dead source would not fail but wait for
+    the restart's abort, which the source's death starts anyway."""
     steps = 12
     clean = _job(tmp_path, "clean", {"steps": steps, "ddp_created_at": [6]}, world_size=4)
     expected = clean.rank(0)["result"]["digest"]
     plan = {"steps": steps, "max_active": 4, "chunk_bytes": 1024,
             "faults": [{"iteration": 0, "rank": 1, "step": 6, "kind": "sigkill"}],
-            "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}}
+            "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}, **({"staging": staging} if staging else {})}
     faulty = _job(tmp_path, "faulty", plan, world_size=6)
     why = faulty.describe()
     assert faulty.returncodes[:2] == [-9, -9], why
@@ -157,6 +162,7 @@ def test_a_source_that_dies_during_the_transfer_is_replaced_by_another_holder(tm
     for spare in (4, 5):
         last = faulty.rank(spare)["iterations"][-1]
         assert last["iteration"] == 2 and last["resumed"] == 6 and last["rank"] in last["receivers"], why
+        assert (faulty.rank(spare)["staged"]["batches"] > 0) == (staging is not None), why
 
 
 def _sharded(tmp_path: pathlib.Path, name: str, plan: dict[str, Any], world_size: int) -> Any:

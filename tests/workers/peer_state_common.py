@@ -27,6 +27,38 @@ def write(log):
         json.dump(log, f)
 
 
+STAGED = {"batches": 0, "sends": 0, "die_after": None}  # this process's staged transfers (see below)
+
+
+def stage_replicated_through(device):
+    """The seam of the NCCL path, over gloo: every ReplicatedState transfer stages its chunks
+    through two buffers on `device` and batches every point to point, as it does through the
+    GPU an NCCL group is bound to (ProcessGroupTransport's `staging`). STAGED counts the batches
+    and the sends in them; once STAGED["die_after"] sends were posted, the process SIGKILLs
+    itself before posting another (a source that dies in the middle of its transfer)."""
+    import torch
+    import torch.distributed as dist
+
+    from inprocess.peer_state import process_group, replicated
+
+    class StagedTransport(process_group.ProcessGroupTransport):
+        def __init__(self, group, chunk_bytes):
+            super().__init__(group, chunk_bytes, staging=torch.device(device))
+
+    real = dist.batch_isend_irecv
+
+    def batch(ops):
+        sends = sum(op.op is dist.isend for op in ops)
+        if sends and STAGED["die_after"] is not None and STAGED["sends"] >= STAGED["die_after"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        STAGED["batches"] += 1
+        STAGED["sends"] += sends
+        return real(ops)
+
+    replicated.ProcessGroupTransport = StagedTransport
+    dist.batch_isend_irecv = batch
+
+
 def fault_at(iteration, step):
     """The plan's fault for this initial rank at (iteration, step), carried out: a SIGKILL of this
     process, or an exception raised."""

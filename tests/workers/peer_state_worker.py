@@ -11,7 +11,8 @@ INPROCESS_TEST_PLAN  JSON: {"steps": 30, "every": 1, "max_active": 4,
                      ranks are active, wait at safe points for joiners instead of stepping,
                      "die_while_sending": {"iteration": 1, "rank": 0, "after": 3}: that rank's
                      process SIGKILLs itself after that many point-to-point sends of a restore,
-                     "chunk_bytes": the transfer's chunk size, "snapshots": ReplicatedState's}
+                     "chunk_bytes": the transfer's chunk size, "snapshots": ReplicatedState's,
+                     "staging": "cpu": the NCCL path's staged, batched transfer, over gloo}
 
 Data are a function of (step, active rank) only, so that a job that loses a rank
 to a spare computes what the same job without faults computes, if and only if every
@@ -30,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from peer_state_common import STAGED, stage_replicated_through
 
 import inprocess
 
@@ -46,7 +48,9 @@ optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 state = inprocess.ReplicatedState(model=model, optimizer=optimizer, every=PLAN.get("every", 1),
                                   chunk_bytes=PLAN.get("chunk_bytes", 64 << 20),
                                   snapshots=PLAN.get("snapshots", "copy"))
-log = {"initial_rank": INITIAL_RANK, "iterations": []}
+log = {"initial_rank": INITIAL_RANK, "iterations": [], "staged": STAGED}
+if "staging" in PLAN:
+    stage_replicated_through(PLAN["staging"])
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -71,6 +75,9 @@ def die_while_sending(spec, iteration):
     """The source of a restore dies in the middle of its transfer: dist.send and dist.isend
     (which only the transfer calls in this job) kill this process after `after` sends."""
     if spec is None or spec["iteration"] != iteration or spec["rank"] != INITIAL_RANK:
+        return
+    if "staging" in PLAN:  # staged: the sends are in batch_isend_irecv (peer_state_common counts them)
+        STAGED["die_after"] = STAGED["sends"] + spec["after"]
         return
     sent = []
 

@@ -32,8 +32,8 @@ The package, one concept a module: :mod:`.encoding` (the JSON skeleton),
 :mod:`.rng` (the generators' states), :mod:`.snapshot` (taking and loading a
 snapshot), :mod:`.wire` (a snapshot as bytes), :mod:`.transport` (the
 interface that moves snapshots) and :mod:`.process_group` (it, over
-torch.distributed), :mod:`.planning` (partners and who sends what),
-:mod:`.replicated` and :mod:`.sharded` (the user's objects).
+torch.distributed; :mod:`.staged`, through a device for NCCL), :mod:`.planning`
+(partners and who sends what), :mod:`.replicated` and :mod:`.sharded` (the user's objects).
 """
 
 from __future__ import annotations

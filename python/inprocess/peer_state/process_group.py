@@ -5,9 +5,34 @@ Snapshots travel as :mod:`inprocess.peer_state.wire` pieces, each in chunks of a
 every chunk on to the next receiver as soon as it has it (a chain), so that a source's
 time does not grow with its receivers: n receivers wait for the snapshot plus n - 1
 chunks. Over gloo every chunk's receive is posted at once and every send is
-non-blocking (the transfers run on gloo's threads); over an NCCL group each chunk is
-staged through one buffer on the current GPU (NCCL sends and receives device tensors),
-one chunk at a time. The ranks' rows of integers travel in one all_reduce.
+non-blocking (the transfers run on gloo's threads). Over an NCCL group each chunk is
+staged through a device buffer (:mod:`inprocess.peer_state.staged`): NCCL moves device
+tensors only. The ranks' rows of integers travel in one all_reduce.
+
+The NCCL path, as torch 2.13 does it (torch/distributed/distributed_c10d.py of the 2.13.0
+wheel; torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp at github.com/cyyever/pytorch
+commit 0b10febc2dd0, a fork whose ProcessGroupNCCL.hpp matches the wheel's):
+
+- The device. ``init_process_group(device_id=d)`` binds the group to ``d``
+  (``_new_process_group_helper`` sets ``pg.bound_device_id``); ``new_group`` passes the
+  default group's on (``_new_group_with_tag``). A job may bind without calling
+  ``torch.cuda.set_device``: the current device is then cuda:0 on every rank. The buffers
+  live on the bound device (:func:`device_of`), else on the current one.
+- One communicator. ``ProcessGroupNCCL::pointToPoint`` runs a send or receive posted in a
+  batch (``batch_isend_irecv``: ``ncclActiveGroupCounter_ > 0``) on the communicator keyed
+  ``getKeyFromDevice``, the group's collective one; a single ``send``/``recv`` on a group
+  initialised lazily (no ``device_id``) makes a two-rank communicator per pair
+  (``getKeySendRecv``), each with its own proxy threads to tear down at a restart, and on an
+  eagerly initialised group is serialised with the group's other work. Every point to point
+  of this path is batched. torch's ``batch_isend_irecv`` documents that when a batch is
+  the group's first operation, every rank of the group must take part: on a group not bound
+  to a device (its communicator made at its first operation) the transport runs a
+  one-element all_reduce first, on every rank of the group, so that a batch between a few
+  of them finds the communicator made.
+- A source that dies. Over gloo a receive from a dead peer fails once its connection closes,
+  and the restore raises on every rank. Over NCCL it does not fail: the receive's kernel
+  waits for data that never comes until the restart's abort of the group releases it (or
+  torch's watchdog times the group out): the restart that the source's death starts anyway.
 """
 
 from __future__ import annotations
@@ -19,13 +44,28 @@ import torch
 
 from . import wire
 from .snapshot import Snapshot
+from .staged import Staged
 from .transport import Transport
 
 
-class ProcessGroupTransport(Transport):
-    """torch.distributed point to point over `group` (None: the default group)."""
+def device_of(group: Any | None) -> torch.device:
+    """The CUDA device an NCCL `group` (None: the default group) is bound to: its own
+    ``bound_device_id``, else the default group's, else the current device."""
+    import torch.distributed as dist
 
-    def __init__(self, group: Any | None, chunk_bytes: int) -> None:
+    for pg in (dist.group.WORLD if group is None else group, dist.group.WORLD):
+        bound = getattr(pg, "bound_device_id", None)
+        if bound is not None:
+            return torch.device(bound)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class ProcessGroupTransport(Transport):
+    """torch.distributed point to point over `group` (None: the default group). `staging`:
+    the device each chunk is staged through (every point to point then batched); None: the
+    device an NCCL group is bound to (:func:`device_of`), no staging for another backend."""
+
+    def __init__(self, group: Any | None, chunk_bytes: int, staging: torch.device | None = None) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -34,17 +74,20 @@ class ProcessGroupTransport(Transport):
         # The group's global ranks by group rank; its key, the lowest, names it in a snapshot.
         self.members = list(range(self.world)) if group is None else dist.get_process_group_ranks(group)
         self.key = min(self.members)
-        if dist.get_backend(group) == "nccl":
-            self.staging: torch.Tensor | None = torch.empty(chunk_bytes, dtype=torch.uint8,
-                                                               device=torch.device("cuda", torch.cuda.current_device()))
-        else:
-            self.staging = None
+        if staging is None and dist.get_backend(group) == "nccl":
+            staging = device_of(group)
+        self.staged = None if staging is None else Staged(group, staging, chunk_bytes)
+        if staging is not None and getattr(dist.group.WORLD if group is None else group, "bound_device_id",
+                                           None) is None:
+            # not bound: an NCCL communicator made at the group's first operation, here, where every
+            # rank of the group takes part (see above)
+            dist.all_reduce(torch.zeros(1, device=staging), group=group)
 
     def rows(self, row: Sequence[int]) -> list[list[int]]:
         """One all_reduce (a sum) of a matrix that holds zeros but in this rank's row."""
         import torch.distributed as dist
 
-        device = "cpu" if self.staging is None else self.staging.device
+        device = "cpu" if self.staged is None else self.staged.device
         rows = torch.zeros((self.world, len(row)), dtype=torch.int64, device=device)
         rows[self.rank] = torch.tensor(list(row), dtype=torch.int64, device=device)
         dist.all_reduce(rows, group=self.group)
@@ -64,13 +107,11 @@ class ProcessGroupTransport(Transport):
         if not receivers:
             return lambda: 0
         peer = self.members[receivers[0]]
-        if self.staging is not None:
-            for piece in wire.pieces(snapshot):
-                for chunk in self.chunks(piece, len(receivers)):
-                    dist.send(self.staging[:chunk.numel()].copy_(chunk), peer, group=self.group)
-            return lambda: snapshot.nbytes
-        works = [dist.isend(chunk, peer, group=self.group)
-                 for piece in wire.pieces(snapshot) for chunk in self.chunks(piece, len(receivers))]
+        chunks = [chunk for piece in wire.pieces(snapshot) for chunk in self.chunks(piece, len(receivers))]
+        if self.staged is not None:
+            works = self.staged.send(chunks, peer)
+        else:
+            works = [dist.isend(chunk, peer, group=self.group) for chunk in chunks]
 
         def finish() -> int:
             for work in works:
@@ -90,13 +131,8 @@ class ProcessGroupTransport(Transport):
 
         def piece(data: torch.Tensor) -> None:
             chunks = self.chunks(data, len(receivers))
-            if self.staging is not None:
-                for chunk in chunks:
-                    staged = self.staging[:chunk.numel()]
-                    dist.recv(staged, before, group=self.group)
-                    if after is not None:
-                        dist.send(staged, after, group=self.group)
-                    chunk.copy_(staged)
+            if self.staged is not None:
+                self.staged.relay(chunks, before, after)
                 return
             works = [dist.irecv(chunk, before, group=self.group) for chunk in chunks]
             for work, chunk in zip(works, chunks, strict=True):
@@ -106,6 +142,8 @@ class ProcessGroupTransport(Transport):
                     passing.append(dist.isend(chunk, after, group=self.group))
 
         received = wire.read(piece, spare, destinations)
+        if self.staged is not None:
+            self.staged.flush(after)
         for work in passing:
             if work is not None:
                 work.wait()
@@ -113,7 +151,7 @@ class ProcessGroupTransport(Transport):
 
     def exchange(self, snapshot: Snapshot, keeper: int, partner: int, spare: Snapshot | None) -> Snapshot:
         """Sends are posted first, non-blocking, so that the ring never waits on itself
-        (host memory only: a private gloo group)."""
+        (host memory only: a private gloo group; a staged send waits for its receiver)."""
         finish = self.send(snapshot, [keeper])
         received = self.receive(partner, [self.rank], spare)
         finish()

@@ -26,8 +26,8 @@ class ReplicatedState(PeerState):
     (a module, an optimizer, an LR scheduler, a stateful data loader, a
     gradient scaler). ``every``: a snapshot at every ``every``-th step that
     :meth:`commit` is called with. ``rng``: keep the RNG states too.
-    ``chunk_bytes``: the most bytes sent in one message (and staged on the
-    GPU for an NCCL group).
+    ``chunk_bytes``: the most bytes sent in one message (for an NCCL group,
+    staged through two buffers of that size on the group's GPU).
     """
 
     def __init__(self, *, every: int = 1, rng: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
