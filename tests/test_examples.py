@@ -83,22 +83,49 @@ def test_a_spare_takes_over_from_a_killed_rank(faults: str) -> None:
         assert "80 steps done on 3 active ranks in iteration 0" in everything
 
 
-def test_optimal_under_torchrun_restarts_in_process(tmp_path: pathlib.Path) -> None:
-    marker = f"INPROCESS_EXAMPLE_TEST={tmp_path}"
-    env = dict(os.environ, INPROCESS_EXAMPLE_TEST=str(tmp_path), INPROCESS_FAULTS="exception@rank=3,step=50",
-               LOGLEVEL="INFO")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
-           str(EXAMPLES / "optimal.py"), "--steps", "150"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def under_torchrun(tmp_path: pathlib.Path, example: str, nproc: int, env: dict[str, str], *args: str,
+                   max_restarts: int = 0, timeout: float = 120) -> str:
+    """An example under torchrun (standalone), in `tmp_path`; its output, once it ended with 0 and
+    left nothing running."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, INPROCESS_EXAMPLE_TEST=str(tmp_path), **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", str(EXAMPLES / example), *args]
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=tmp_path)
     try:
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-        left = reap_marked(marker)
+        left = reap_marked(f"INPROCESS_EXAMPLE_TEST={tmp_path}")
     assert proc.returncode == 0, out[-8000:]
     assert not left, left
+    return out
+
+
+def test_optimal_under_torchrun_restarts_in_process(tmp_path: pathlib.Path) -> None:
+    faults = {"INPROCESS_FAULTS": "exception@rank=3,step=50", "LOGLEVEL": "INFO"}
+    out = under_torchrun(tmp_path, "optimal.py", 4, faults, "--steps", "150", max_restarts=1)
     assert "[optimal] 150 steps done in iteration 1 (1 restarts)" in out, out[-8000:]
     assert "will restart worker group" not in out
+
+
+@pytest.mark.timeout(240)
+def test_the_nccl_example_resumes_from_memory_and_ends_as_the_job_without_the_fault(tmp_path: pathlib.Path) -> None:
+    """The GPU example's recovery, on the CPU under torchrun: rank 1 fails at step 20, both ranks
+    restart in-process from step 20 (ReplicatedState, no checkpoint), and every rank ends with the
+    parameters of the run without a fault, bitwise."""
+    clean = under_torchrun(tmp_path / "clean", "nccl_ddp.py", 2, {"INPROCESS_FAULTS": "", "EXAMPLE_STEPS": "40"})
+    faulty = under_torchrun(tmp_path / "faulty", "nccl_ddp.py", 2,
+                            {"INPROCESS_FAULTS": "exception@rank=1,step=20", "EXAMPLE_STEPS": "40"})
+    digests = {out: {line.rsplit("digest ", 1)[1] for line in out.splitlines() if "steps done" in line}
+               for out in (clean, faulty)}
+    assert len(digests[clean]) == 1 and digests[clean] == digests[faulty], (clean[-4000:], faulty[-4000:])
+    assert "40 steps done in iteration 0 on 2 ranks" in clean, clean[-4000:]
+    for rank in (0, 1):
+        resumed = f"initial rank {rank}: iteration 1, rank {rank} of 2 on cpu (gloo), from step 20"
+        assert resumed in faulty, faulty[-4000:]
+        assert f"initial rank {rank}: 40 steps done in iteration 1 on 2 ranks" in faulty, faulty[-4000:]
+    assert "will restart worker group" not in faulty  # in-process, not torchrun's restart
