@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from conftest import leftover_processes
-from inprocess.launch import EVENTS_VAR, OMP_WARNING, EventsSeen, ephemeral_port_range, free_port, summarize
+from inprocess.launch import (
+    EVENTS_VAR,
+    OMP_WARNING,
+    EventsSeen,
+    ephemeral_port_range,
+    excluded_at_the_end,
+    free_port,
+    summarize,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -201,6 +209,25 @@ def test_the_summary_tells_a_recovered_fault_from_a_failed_job() -> None:
     assert summarize([0, 0], EventsSeen(2, set()), strict=True) == (
         "inprocess.launch: job finished: 2 of 2 ranks finished; 2 restarts; exit status 0", 0)
     assert summarize([None, 0], None, strict=False)[1] == 1  # a rank that never exited
+
+
+def test_a_seat_taken_back_by_its_respawn_is_not_excluded_at_the_end() -> None:
+    """With --respawn a seat is excluded, then a respawned process joins it and finishes: that seat
+    finished the job. Seen in a chaos run: every seat had been excluded once, two late respawns found
+    the job over (exit 1), and the launcher called the job failed."""
+    decisions = [{"iteration": 3, "terminated": [0], "joined": []},
+                 {"iteration": 5, "terminated": [1], "joined_lives": [[0, 1]]},
+                 {"iteration": 5, "terminated": [1], "joined": [0]},  # the same decision, read by another rank
+                 {"iteration": 6, "terminated": [3], "joined": [1]},
+                 {"iteration": 8, "terminated": [2], "joined_lives": [[3, 1]]},
+                 {"iteration": 9, "terminated": [1], "joined": []}]
+    assert excluded_at_the_end(decisions) == {1, 2}
+    # Seats 0 and 3 finished after their respawns joined; 1 and 2's last processes found the job over.
+    line, status = summarize([0, 1, 1, 0], EventsSeen(4, excluded_at_the_end(decisions)), strict=False)
+    assert status == 0 and line.startswith("inprocess.launch: job finished: 2 of 4 ranks finished"), line
+    # Counted by seat, not by the seat's last process, every seat was excluded: the job looked failed.
+    every_seat = {seat for d in decisions for seat in d["terminated"]}
+    assert every_seat == {0, 1, 2, 3} and summarize([0, 1, 1, 0], EventsSeen(4, every_seat), strict=False)[1] == 1
 
 
 def test_timeout_kills_every_rank(tmp_path: pathlib.Path) -> None:

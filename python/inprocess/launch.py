@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .respawn import (
@@ -312,7 +312,7 @@ class EventsSeen:
     """What the ranks' event files (inprocess/events.py) say about the job."""
 
     restarts: int  # restart decisions: distinct (call, iteration > 0) of the ``decision`` events
-    excluded: set[int]  # initial ranks a restart's decision terminated
+    excluded: set[int]  # initial ranks (seats) a restart's decision terminated and no later one admitted back
 
 
 class EventsReader:
@@ -339,8 +339,22 @@ class EventsReader:
             return None
         restarts = {(e.get("call"), e.get("iteration")) for e in events
                     if e.get("kind") == "decision" and isinstance(e.get("iteration"), int) and e["iteration"] > 0}
-        excluded = {r for e in events if e.get("kind") == "decision" for r in e.get("terminated") or ()}
-        return EventsSeen(len(restarts), excluded)
+        return EventsSeen(len(restarts), excluded_at_the_end(e for e in events if e.get("kind") == "decision"))
+
+
+def excluded_at_the_end(decisions: Iterable[dict[str, Any]]) -> set[int]:
+    """The seats whose last decision terminated them: a seat that a later decision gave to a process
+    that joined it (a respawn) holds that process now, whose exit status is the seat's."""
+    out: dict[int, int] = {}  # seat -> the last iteration whose decision terminated it
+    back: dict[int, int] = {}  # seat -> the last iteration whose decision admitted a joiner into it
+    for e in decisions:
+        iteration = e["iteration"] if isinstance(e.get("iteration"), int) else -1
+        for seat in e.get("terminated") or ():
+            out[seat] = max(out.get(seat, -1), iteration)
+        # joined_lives: every (seat, life) admitted ("joined" names at most 32 seats)
+        for seat in [pair[0] for pair in e.get("joined_lives") or ()] + list(e.get("joined") or ()):
+            back[seat] = max(back.get(seat, -1), iteration)
+    return {seat for seat, iteration in out.items() if iteration > back.get(seat, -1)}
 
 
 def summarize(returncodes: Sequence[int | None], seen: EventsSeen | None, strict: bool,

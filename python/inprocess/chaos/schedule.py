@@ -35,12 +35,10 @@ from typing import Any
 # Kinds that end the process by a signal or status 75: the launcher respawns it.
 ENDING = ("sigkill", "sigterm", "sigint", "abort", "segfault", "os_exit", "gil_hang", "sigstop")
 SLOW = frozenset({"gil_hang", "sigstop"})  # killed by the monitor at hard_timeout + grace
-# A rank frozen (SIGSTOP, or holding the GIL) on entering a barrier ended the job (seed 31 of the first
-# long run, sigstop@rank=4,phase=barrier): nothing watched it there. The restart barrier now has a hang
-# rule (engine/hang_guard.py; tests/test_fault_matrix.py, test_a_rank_frozen_at_the_restart_barrier).
-# The schedule still moves these faults to finalize, so that the documented seeds replay the schedules
-# whose figures benchmarks/README.md gives; the next long run should place them at the barrier too.
-FROZEN = SLOW
+# A rank frozen (SIGSTOP, or holding the GIL) on entering a barrier ended the job in the first long run
+# (seed 31, sigstop@rank=4,phase=barrier): nothing watched it there. The restart barrier now has a hang
+# rule (engine/hang_guard.py; tests/test_fault_matrix.py, test_a_rank_frozen_at_the_restart_barrier),
+# and the schedule places these faults at the barrier like any other.
 STEP_KINDS = ("exception", "hang_step") + ENDING
 HOOK_PHASES = ("abort", "finalize", "health_check", "barrier")
 LEADER_PHASES = ("reassignment", "takeover")
@@ -171,8 +169,6 @@ def _place(rng: random.Random, i: int, kind: str, ranks: int, world: int, steps:
                          "takeover"), (4, 2, 1, 1, 1, 1, 1, 0.5))[0]
     if where == "reassignment" and kind == "sigint":
         where = "step"  # a KeyboardInterrupt in the leader's rank assignment ends the whole job (by design)
-    if where == "barrier" and kind in FROZEN:
-        where = "finalize"  # the documented seeds' schedules (see FROZEN)
     if where == "after":  # a spare too: whoever holds the seat
         return Fault(i, kind, "after", rng.randrange(world), step, round(rng.uniform(0.05, 0.5), 3))
     if where in LEADER_PHASES:
