@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -51,12 +52,31 @@ class FakeWork:
 
 class FakeCuda:
     """``torch.cuda.current_device()`` and ``torch.cuda.device(d)``, and allocations on a CUDA
-    device recorded and served from host memory (a CPU build cannot allocate one)."""
+    device recorded and served from host memory (a CPU build cannot allocate one).
+
+    The current device is the calling thread's (the CUDA runtime's current device is per host
+    thread: ``cudaSetDevice``; c10/cuda/CUDAFunctions.cpp ``current_device`` asks
+    ``cudaGetDevice``): a thread that never set one is on device 0. ``pin_memory=True``
+    allocations (page-locked host memory, which a CPU build refuses to allocate) are served from
+    ordinary host memory and recorded in ``pinned``."""
 
     def __init__(self, current: int = 0) -> None:
+        self._thread = threading.local()
         self.current = current
         self.allocated: list[torch.device] = []
+        self.pinned: list[torch.Tensor] = []
         self._empty, self._zeros = torch.empty, torch.zeros
+
+    @property
+    def current(self) -> int:
+        return getattr(self._thread, "current", 0)
+
+    @current.setter
+    def current(self, index: int) -> None:
+        self._thread.current = index
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return any(p.data_ptr() == t.data_ptr() for p in self.pinned)
 
     def current_device(self) -> int:
         return self.current
@@ -69,11 +89,15 @@ class FakeCuda:
         finally:
             self.current = before
 
-    def _on_host(self, real: Any, *size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+    def _on_host(self, real: Any, *size: Any, device: Any = None, pin_memory: bool = False,
+                 **kwargs: Any) -> torch.Tensor:
         if device is not None and torch.device(device).type == "cuda":
             self.allocated.append(torch.device(device))
             device = None
-        return real(*size, device=device, **kwargs)
+        t = real(*size, device=device, **kwargs)
+        if pin_memory:
+            self.pinned.append(t)
+        return t
 
     def empty(self, *size: Any, **kwargs: Any) -> torch.Tensor:
         return self._on_host(self._empty, *size, **kwargs)
