@@ -73,43 +73,63 @@ def take(objects: Objects, values: Mapping[str, Any], rng: bool, step: int, spar
     `deferred`; the function returned copies those and only then marks the snapshot complete
     (its step). Call it at once, or on another thread before any of those tensors changes.
     `refer`: those are not copied; the snapshot refers to them (it is the state of its step
-    only until they change)."""
+    only until they change). A GPU tensor is copied into a pinned buffer: now, on its device's
+    current stream, synchronized before this returns; in the function, on a side stream of its
+    device that first waits for an event recorded on the current stream now."""
     live: list[torch.Tensor] = []
     skeleton = json.dumps(encode(state_of(objects, values, rng), live), separators=(",", ":"))
     if spare is None or spare.layout() != [(tuple(t.shape), t.dtype) for t in live]:
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in live)
-        spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in live])
+        spare = Snapshot(-1, skeleton, [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in live])
     snapshot = spare
     snapshot.step = -1  # being written
     snapshot.skeleton = skeleton
     later = []
+    queued: set[torch.device] = set()  # the devices whose current (training) stream a copy below was queued on
     for i, (held, source) in enumerate(zip(snapshot.tensors, live, strict=True)):
         if storage_key(source) not in deferred:
-            held.copy_(source.detach(), non_blocking=source.is_cuda)
+            if source.is_cuda:
+                queued.add(source.device)
+                held.copy_(source.detach(), non_blocking=True)
+            else:
+                held.copy_(source.detach())
         elif refer:
             snapshot.tensors[i] = source.detach()
         else:
             later.append((held, source.detach()))
-    if any(t.is_cuda for t in live):
-        torch.cuda.current_stream().synchronize()
-    ready = None
-    if any(source.is_cuda for _, source in later):
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record()
+    for device in queued:  # done before the next step changes what they copied
+        torch.cuda.current_stream(device).synchronize()
+    ready = _events({source.device for _, source in later if source.is_cuda})
 
     def finish() -> None:
-        if ready is None:
-            for held, source in later:
+        sides = [_copy_on_side_stream(device, event, later) for device, event in ready.items()]
+        for held, source in later:
+            if not source.is_cuda:
                 held.copy_(source)
-        else:  # on a side stream, after what the training stream had queued at the commit
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                for held, source in later:
-                    held.copy_(source, non_blocking=source.is_cuda)
+        for side in sides:
             side.synchronize()
         snapshot.step = step
     return snapshot, finish
+
+
+def _events(devices: AbstractSet[torch.device]) -> dict[torch.device, Any]:
+    """An event recorded now on each device's current (training) stream: what it has queued up to the commit."""
+    events = {}
+    for device in devices:
+        events[device] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        events[device].record(torch.cuda.current_stream(device))
+    return events
+
+
+def _copy_on_side_stream(device: torch.device, ready: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The copies from `device` queued on a side stream of that device (named: `finish` may run on a
+    thread whose current device is another) after the `ready` event; the stream (not synchronized)."""
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        for held, source in copies:
+            if source.is_cuda and source.device == device:
+                held.copy_(source, non_blocking=True)
+    return side
 
 
 def load(objects: Objects, snapshot: Snapshot, rng: bool, transient: bool = False) -> dict[str, Any]:
