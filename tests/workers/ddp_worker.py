@@ -148,6 +148,8 @@ def make_hooks(spec):
                 and target.get("restart_count", RESTART_COUNT) == RESTART_COUNT):
             if exc_kind == "exception":
                 raise RuntimeError(f"injected {name} failure")
+            if exc_kind == "restart_abort":
+                raise inprocess.RestartAbort(f"injected in {name}")
             if exc_kind == "context_lost":
                 # The rank ends in os._exit(76): what the test reads is written now.
                 with open(os.path.join(OUT, result_name()), "w") as f:
