@@ -3,6 +3,7 @@
 * initialize: an Exception is a fault of the rank -> the job restarts, every rank continues;
 * abort, finalize, health_check: any exception terminates that rank -> the others go on without it
   (health_check's as HealthCheckError; it also runs before every iteration, where it is a fault);
+* RestartAbort in initialize, finalize, health_check: the job ends on every rank at one decision;
 * rank_assignment (runs once, on the leader): the job ends on every rank, the leader with the hook's own
   exception, the others with RestartAbort naming it;
 * completion: the exception propagates to that rank's caller, the others return normally;
@@ -56,6 +57,24 @@ def test_recovery_hook_exception_terminates_the_rank(job, hook):
     assert log["exception"] == expected and f"injected {hook} failure" in log["message"]
     finished(res, [0, 2, 3], iteration=1, world_size=3)
     assert res.rank(0)["restarts"][0]["terminated"] == [1]
+
+
+@pytest.mark.parametrize("hook,faults,from_call", [
+    ("initialize", (), 1), ("health_check", (), 1), ("finalize", (FAULT_ON_2,), 1), ("health_check", (FAULT_ON_2,), 2),
+], ids=["initialize", "health_check_before_iteration", "finalize", "health_check_after_a_fault"])
+def test_restart_abort_in_a_hook_ends_the_job_on_every_rank_in_one_iteration(job, hook, faults, from_call):
+    res = job(plan_with_hook(hook, kind="restart_abort", faults=faults, from_call=from_call))
+    assert res.rank(1)["message"] == f"injected in {hook}", res.describe()
+    for r in range(4):
+        log = res.rank(r)
+        assert res.returncodes[r] == 17 and log["exception"] == "RestartAbort", f"rank {r}:\n{res.describe()}"
+        # Every rank leaves at barrier 1's decision (one that never entered its function has no CallWrapper
+        # to ask), and nobody calls the function again; before the function, the others may not have started it.
+        assert log["final_iteration"] in (1, None) and (log["final_iteration"] == 1 or not log["iterations"]), log
+        assert [it["iteration"] for it in log["iterations"]] in (([], [0]) if not faults else ([0],)), log
+        assert not (r == 1 and not faults and log["iterations"]), log
+        if r != 1:
+            assert log["message"] == f"initial rank 1 raised RestartAbort in iteration 0: injected in {hook}", log
 
 
 @pytest.mark.parametrize("faults,from_call", [((), 1), ((FAULT_ON_2,), 2)], ids=["before_iteration", "after_a_fault"])

@@ -178,8 +178,8 @@ def test_ranks_that_finish_in_different_iterations():
 
 
 def test_ranks_that_a_retry_controller_stops_in_different_iterations():
-    """RetryController(max_iterations=5) says every rank stops at the same iteration; the first rank's
-    RestartAbort restarts the others, which meet the limit at 6 (tests/test_storm.py's job shows it)."""
+    """RetryController(max_iterations=5) says every rank stops at the same iteration; before issue 31's fix
+    the first rank's RestartAbort restarted the others, which met the limit at 6."""
     job = clean_job()
     job[0][-1] = event(0, "exit", 2.0, outcome="terminated", reason="terminated", iteration=1, type="RestartAbort")
     job[1][-1] = event(1, "exit", 2.0, outcome="terminated", reason="terminated", iteration=2, type="RestartAbort")

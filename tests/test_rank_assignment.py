@@ -26,6 +26,7 @@ import inprocess
 from inprocess import Compose, FrozenState, Mode, State
 from inprocess.control.membership import ACTIVE, INACTIVE, NONE, TERMINATED, Membership
 from inprocess.control.protocol import Decision, FaultRecord
+from inprocess.control.records import ENDS_JOB
 from inprocess.health_check import HealthCheck as HealthCheckHook
 from inprocess.initialize import Initialize
 from inprocess.rank_assignment import (
@@ -525,6 +526,28 @@ def test_a_rank_whose_own_run_differs_fails_its_check_and_the_next_decision_ends
     record = FaultRecord.from_exception(2, 1, "terminated", RankAssignmentMismatch("initial rank 2: ..."))
     d2 = decide(ra, d1.membership, {2}, [record], 2, 0)
     assert d2.abort is not None and "initial ranks 2 disagree with the decision" in d2.abort
+
+
+def test_a_restart_abort_on_a_rank_ends_the_job_without_running_the_rank_assignment():
+    """Issue 31: a rank's RestartAbort (a fault of kind ENDS_JOB) is a decision that ends the job on
+    every rank, naming the ranks and the first one's message (RetryController's "iteration=<n>")."""
+    class MustNotRun(RankAssignment):
+        def __call__(self, ctx):
+            raise AssertionError("the rank assignment ran for a job that ends")
+
+    previous = decide(Compose(ActivateAllRanks(), ShiftRanks()), initial_membership(4), set(), [], 0, 0).membership
+    ending = [FaultRecord.from_exception(r, 4, ENDS_JOB, inprocess.RestartAbort("iteration=4 reached max_iterations=4"))
+              for r in (3, 1)]
+    other = FaultRecord.from_exception(0, 4, "exception", RuntimeError("boom"))
+    d = decide(Compose(MustNotRun(), ActivateAllRanks(), ShiftRanks()), previous, {2}, [other, *ending], 5, 0)
+    assert d.abort == "initial ranks 1, 3 raised RestartAbort in iteration 4: iteration=4 reached max_iterations=4"
+    assert d.terminated == [2] and d.membership.mode == [ACTIVE, ACTIVE, TERMINATED, ACTIVE]
+    one = decide(ActivateAllRanks(), previous, set(), ending[:1], 5, 0)
+    assert one.abort is not None and one.abort.startswith("initial rank 3 raised RestartAbort in iteration 4:")
+    # A rank that disagreed with a decision leaves with a RankAssignmentMismatch (a RestartAbort): named so.
+    mismatch = FaultRecord.from_exception(2, 1, ENDS_JOB, RankAssignmentMismatch("initial rank 2: ..."))
+    d = decide(ActivateAllRanks(), previous, {2}, [mismatch], 2, 0)
+    assert d.abort is not None and "initial ranks 2 disagree with the decision" in d.abort
 
 
 def test_standalone_tree_gathers_through_the_store_once_and_keeps_its_table():

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from inprocess.chaos import invariants
+from inprocess.timeline.reading import load
+
 pytestmark = [pytest.mark.timeout(150), pytest.mark.multiprocess]
 
 
@@ -70,18 +73,32 @@ def test_faults_on_two_ranks_at_once(job):
     assert any(f["kind"] == "exception" and f["rank"] in (1, 3) for f in faults), faults
 
 
-@pytest.mark.parametrize("kind", ["system_exit", "keyboard_interrupt", "restart_abort"])
+@pytest.mark.parametrize("kind", ["system_exit", "keyboard_interrupt"])
 def test_base_exception_terminates_the_rank(job, kind):
     res = job({"steps": 8, "faults": [exc(kind, rank=1, iteration=0, step=4)]})
     gone = res.rank(1)
     assert res.returncodes[1] == 17 and gone["exception"] == {
-        "system_exit": "SystemExit", "keyboard_interrupt": "KeyboardInterrupt", "restart_abort": "RestartAbort",
+        "system_exit": "SystemExit", "keyboard_interrupt": "KeyboardInterrupt",
     }[kind]
     assert_finished_together(res, [0, 2, 3], iteration=1, world_size=3)
     # The survivors were renumbered by ShiftRanks: initial 2 -> 1, 3 -> 2.
     assert [res.rank(r)["iterations"][-1]["rank"] for r in (0, 2, 3)] == [0, 1, 2]
     assert res.rank(3)["iterations"][-1]["env_rank"] == "2"
     assert res.rank(0)["restarts"][0]["terminated"] == [1]
+
+
+def test_restart_abort_in_the_function_ends_the_job_on_every_rank(job):
+    """A RestartAbort stops the restarts (nvidia_resiliency_ext: "bypassing any further restart
+    attempts"): every rank leaves at the one decision it causes, none runs the function again."""
+    res = job({"steps": 8, "faults": [exc("restart_abort", rank=1, iteration=0, step=4)]})
+    for r in range(4):
+        log = res.rank(r)
+        assert res.returncodes[r] == 17 and log["exception"] == "RestartAbort", f"rank {r}:\n{res.describe()}"
+        assert [it["iteration"] for it in log["iterations"]] == [0], log
+        assert log["final_iteration"] == 1, log
+    assert res.rank(1)["message"] == "injected"  # its own exception; the others' name it
+    assert all(res.rank(r)["message"] == "initial rank 1 raised RestartAbort in iteration 0: injected"
+               for r in (0, 2, 3))
 
 
 def test_spare_takes_over_a_terminated_active_rank(job):
@@ -119,6 +136,36 @@ def test_retry_controller_stops_the_job(job):
         assert log["exception"] == "RestartAbort", log
         assert "max_iterations=2" in log["message"]
         assert [it["iteration"] for it in log["iterations"]] == [0, 1]
+
+
+def test_retry_controller_ends_every_rank_at_one_iteration_when_a_rank_comes_late(job, tmp_path):
+    """Issue 31: the ranks that meet max_iterations first must not restart a late one into the next iteration.
+
+    A fault in each of iterations 0 and 1; in iteration 2 initial rank 2 comes to its initialize 3 s
+    after the others, whose RetryController raises RestartAbort at once. Every rank leaves with
+    RestartAbort at the one decision that ends the job, and nobody calls the function in iteration 2.
+    """
+    plan = {
+        "steps": 6,
+        "faults": [exc("exception", rank=i, iteration=i, step=2) for i in range(2)],
+        "wrapper": {"max_iterations": 2, "slow_initialize": {"rank": 2, "from_iteration": 2, "seconds": 3}},
+    }
+    res = job(plan, world_size=3, env={"INPROCESS_EVENTS_DIR": str(tmp_path / "events")})
+    finals = {}
+    for r in range(3):
+        log = res.rank(r)
+        assert res.returncodes[r] == 17, f"rank {r}:\n{res.describe()}"
+        assert log["exception"] == "RestartAbort", log
+        assert "iteration=2 reached max_iterations=2" in log["message"], log
+        assert [it["iteration"] for it in log["iterations"]] == [0, 1], log
+        assert max(log["initialized"]) <= 2, log  # nobody went on to an iteration 3
+        finals[r] = log["final_iteration"]
+    assert len(set(finals.values())) == 1, f"ranks ended in different iterations: {finals}\n{res.describe()}"
+    # The chaos checker, on the job's own events: every invariant holds, this one checked on every rank.
+    segments = [seg for run in load(str(tmp_path / "events")).runs for seg in run.segments.values()]
+    findings = invariants.check(segments)
+    assert invariants.violations(findings) == []
+    assert next(f.checked for f in findings if f.invariant == "same_final_iteration") == 3
 
 
 def test_fault_counter_terminates_a_rank_that_keeps_failing(job):

@@ -33,7 +33,8 @@ Kinds and their own fields:
                        rank among active and spares), active_rank,
                        world_size, active_world_size
 ``fault``              iteration, fault ("exception", "after_restart",
-                       "soft_timeout", or why the rank leaves), type, message:
+                       "soft_timeout", "restart_abort": a RestartAbort that
+                       ends the job, or why the rank leaves), type, message:
                        a fault this rank reports itself
 ``restart_detected``   iteration: the rank's trigger learnt that the
                        iteration restarts (``t_ns`` is that moment)

@@ -12,8 +12,10 @@ class Initialize(abc.ABC):
     """Runs before every call of the wrapped function on an active rank.
 
     An ``Exception`` raised here is a fault of this rank in this iteration:
-    the job restarts, as if the function had raised it. A ``BaseException``
-    (e.g. :class:`~inprocess.exception.RestartAbort`) terminates this rank.
+    the job restarts, as if the function had raised it. A
+    :class:`~inprocess.exception.RestartAbort` ends the job on every rank at
+    the next decision (this rank leaves with it, the others with a
+    ``RestartAbort`` naming it); another ``BaseException`` terminates this rank.
     """
 
     @abc.abstractmethod
@@ -27,8 +29,9 @@ class RetryController(Initialize):
     Raises :class:`~inprocess.exception.RestartAbort` before iteration
     ``max_iterations`` (so at most ``max_iterations`` calls are made), or when
     fewer than ``min_world_size`` ranks (active and spare) or fewer than
-    ``min_active_world_size`` active ranks remain. The state is the same on
-    every rank, so every rank stops at the same iteration.
+    ``min_active_world_size`` active ranks remain. The first rank to raise
+    it ends the job on every rank at one decision, in one iteration, even
+    where the others have not reached their own check yet.
     """
 
     def __init__(

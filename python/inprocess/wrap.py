@@ -15,9 +15,12 @@ Rule for exceptions in hooks (the same for every hook, tested hook by hook):
 * ``completion`` runs after the job completed: its exception propagates.
 * ``terminate`` runs on a rank that is leaving: its exception is logged and
   chained; the rank leaves with the exception that terminated it.
-* A ``BaseException`` that is not the engine's own (``SystemExit``,
-  ``KeyboardInterrupt``, :class:`RestartAbort`) terminates the rank wherever
-  it is raised.
+* :class:`RestartAbort` (``initialize``'s, e.g. ``RetryController``'s, the
+  function's, a recovery hook's) ends the job on every rank at the next
+  decision: the rank that raised it goes on to the restart barrier and
+  leaves there with it, the others with a ``RestartAbort`` naming it.
+* Any other ``BaseException`` that is not the engine's own (``SystemExit``,
+  ``KeyboardInterrupt``) terminates the rank wherever it is raised.
 """
 
 from __future__ import annotations

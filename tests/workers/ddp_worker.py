@@ -10,6 +10,9 @@ hang (sleep outside any collective: the peers block in theirs), and
 delayed_exception (raise after "delay" seconds, so the peers are certainly
 blocked in a collective waiting for a rank that hangs).
 "no_ping": true: the loop never calls ping() (a function that reports no steps).
+"wrapper": {"slow_initialize": {"rank": R, "from_iteration": I, "seconds": S}}: initial rank R sleeps S
+seconds at the start of ``initialize`` from iteration I on (before a RetryController's check, if any):
+a rank that comes late to its initialize. Every rank lists the iterations it entered initialize in.
 Under torchrun a fault with "restart_count": N fires only in the launcher's
 incarnation N (TORCHELASTIC_RESTART_COUNT); one without it fires in every one.
 """
@@ -145,6 +148,8 @@ def make_hooks(spec):
                 and target.get("restart_count", RESTART_COUNT) == RESTART_COUNT):
             if exc_kind == "exception":
                 raise RuntimeError(f"injected {name} failure")
+            if exc_kind == "restart_abort":
+                raise inprocess.RestartAbort(f"injected in {name}")
             if exc_kind == "context_lost":
                 # The rank ends in os._exit(76): what the test reads is written now.
                 with open(os.path.join(OUT, result_name()), "w") as f:
@@ -203,8 +208,26 @@ if wrapper_spec.get("node_agent") is not None:
 for name in ("heartbeat_interval", "heartbeat_timeout"):
     if wrapper_spec.get(name) is not None:
         kwargs[name] = td(wrapper_spec[name])
+
+
+class SlowInitialize(inprocess.initialize.Initialize):
+    """Records the iteration, and sleeps first on the rank and iterations the plan names (slow_initialize)."""
+
+    def __init__(self, spec):
+        self.spec = spec or {}
+
+    def __call__(self, state):
+        log.setdefault("initialized", []).append(state.iteration)
+        if state.initial_rank == self.spec.get("rank") and state.iteration >= self.spec.get("from_iteration", 0):
+            time.sleep(self.spec["seconds"])
+        return state
+
+
 if wrapper_spec.get("max_iterations") is not None:
-    kwargs["initialize"] = inprocess.initialize.RetryController(max_iterations=wrapper_spec["max_iterations"])
+    kwargs["initialize"] = inprocess.Compose(
+        inprocess.initialize.RetryController(max_iterations=wrapper_spec["max_iterations"]),
+        SlowInitialize(wrapper_spec.get("slow_initialize")),
+    )
 if wrapper_spec.get("max_rank_faults") is not None:
     kwargs["health_check"] = inprocess.health_check.FaultCounter(wrapper_spec["max_rank_faults"])
 ra = build_rank_assignment(wrapper_spec)
@@ -336,6 +359,7 @@ def main():
         log["message"] = str(e)
     log["result"] = result
     call = LAST_CALL.get("call")
+    log["final_iteration"] = call.iteration if call is not None else None
     log["restarts"] = [
         {"iteration": r.iteration, "terminated": r.terminated, "n_faults": r.n_faults,
          "faults": [{"rank": f.rank, "type": f.type, "kind": f.kind} for f in r.faults],

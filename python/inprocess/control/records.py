@@ -22,6 +22,9 @@ MAX_FAULTS_IN_DECISION = 32
 MAX_MESSAGE = 300
 
 HOST = socket.gethostname()  # where a fault's CLOCK_MONOTONIC stamp is meaningful
+# The kind of a fault that ends the job on every rank: a RestartAbort raised on a rank (a RetryController's,
+# or the user's). The next barrier's leader turns it into a decision that ends the job (Decision.abort).
+ENDS_JOB = "restart_abort"
 
 
 MAX_JSON_BYTES = 1 << 24  # a decision of MAX_FAULTS_IN_DECISION records is a few kB
@@ -73,7 +76,7 @@ class FaultRecord:
 
     rank: int  # initial rank
     iteration: int
-    kind: str  # "exception", "terminated", "health_check", "killed", ...
+    kind: str  # "exception", "terminated", "health_check", "killed", ENDS_JOB, ...
     type: str
     message: str
     host: str = HOST

@@ -10,7 +10,8 @@ from types import FrameType
 
 from ..control.counting_out import count_out, members_at
 from ..control.protocol import FaultRecord, RestartProtocol
-from ..exception import exception_chain
+from ..control.records import ENDS_JOB
+from ..exception import RestartAbort, exception_chain
 from ..exits import EXIT_CODE_UNRELEASABLE, exit_now
 from ..gpu import nccl_abort, nccl_reaper
 from ..gpu.errors import NcclAbortTimeout
@@ -37,6 +38,12 @@ class Leave(enum.Enum):
     def counted_already(self) -> bool:
         """The store knows already: the rank records no fault and does not count itself out."""
         return self in (Leave.COUNTED_OUT, Leave.DISCARDED, Leave.JOB_ENDED, Leave.GAVE_UP)
+
+
+def fault_kind(reason: Leave, exc: BaseException) -> str:
+    """The kind of the fault a leaving rank records: ENDS_JOB for a RestartAbort (the job ends on every
+    rank at the next decision, rank_assignment/decision.py), else the reason it leaves."""
+    return ENDS_JOB if isinstance(exc, RestartAbort) else reason.value
 
 
 class LeaveJob(Exception):

@@ -10,6 +10,9 @@ It reads top to bottom::
                 │
                 └─ BaseException, failed recovery hook, or discarded ──► TERMINATED (re-raise)
 
+A ``RestartAbort`` in iteration i takes its rank straight to barrier i+1 (the others restart to it),
+whose decision ends the job: every rank leaves there, in one iteration.
+
 :func:`run` is the machine (:func:`run_call` around it opens and closes what it
 runs on); an iteration is the function on an active rank (:func:`run_active`)
 or a spare's wait (:func:`wait_as_spare`). Entering,
@@ -29,7 +32,7 @@ from ..control.barrier_watch import BarrierWatch
 from ..control.phases import Phase
 from ..control.protocol import COMPLETE, FaultRecord
 from ..events import call_start_fields
-from ..exception import BarrierTimeout, HealthCheckError, RankShouldRestart
+from ..exception import BarrierTimeout, HealthCheckError, RankShouldRestart, RestartAbort
 from ..gpu import settings as gpu_settings
 from ..gpu.errors import lost_context_in
 from ..state import Mode
@@ -87,6 +90,8 @@ def run(rec: Recovery, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: di
                 completed, value = wait_as_spare(rec, outcome)
             if completed:
                 return _complete(rec, value)
+            if rec.ending is not None:  # this rank raised a RestartAbort: the job ends at the next decision
+                rec.end_at_decision(outcome)
             rec.restart(outcome)
     except LeaveJob as e:
         leaving = e
@@ -133,7 +138,7 @@ def run_active(
         ctrl_c = interrupted_by(e)  # raised on top of a Ctrl-C: the rank leaves with that
         if ctrl_c is not None:
             raise LeaveJob(ctrl_c, Leave.TERMINATED) from None
-        if isinstance(e.__context__, Exception):
+        if isinstance(e.__context__, (Exception, RestartAbort)):
             # Raised on top of the function's own exception, still on its way out.
             fault_in_function(rec, e.__context__)
         return False, None
@@ -160,6 +165,9 @@ def fault_in_function(rec: Recovery, e: BaseException) -> None:
     consequence of the restart, or a reason to leave."""
     s, rt = rec.state, rec.runtime
     p = rt.protocol
+    if isinstance(e, RestartAbort):
+        rec.end_job(e)  # every rank leaves at the next decision, this one too
+        return
     if not isinstance(e, Exception):
         # Never a consequence of the abort (a Ctrl-C during a restart): the rank leaves.
         raise LeaveJob(e, Leave.TERMINATED) from None
@@ -198,9 +206,11 @@ def wait_as_spare(rec: Recovery, outcome: IterationOutcome) -> tuple[bool, Any]:
         _check_health_before_iteration(rec)
     except LeaveJob:
         raise
-    except Exception as e:
+    except (Exception, RestartAbort) as e:
         # An unfit spare is a fault like any other: the restart's health check decides.
         fault_in_function(rec, e)
+        if rec.ending is not None:
+            return False, None  # a RestartAbort: the job ends at the next decision, nothing to wait for
     s = rec.state
     with faults.arm_from_environment(s.freeze()), rec.runtime.hang_guard.training(s.iteration, s.world_size):
         _wait_stamping_progress(rec, outcome)

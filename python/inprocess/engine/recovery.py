@@ -35,6 +35,7 @@ from ..control import agreement, joining, phases
 from ..control.membership import Membership
 from ..control.phases import Phase
 from ..control.protocol import HOST, Decision, FaultRecord, RestartProtocol, SeatTaken
+from ..control.records import ENDS_JOB
 from ..control.recovery_plan import (
     DecisionSummary,
     Moment,
@@ -52,7 +53,7 @@ from ..state import FrozenState, Mode, State
 from . import join
 from .config import Settings
 from .grow import GrowPoints
-from .leave import Leave, LeaveJob, count_out_before_joining, exit_if_nccl_abort_abandoned, release_frames
+from .leave import Leave, LeaveJob, count_out_before_joining, exit_if_nccl_abort_abandoned, fault_kind, release_frames
 from .restart_record import RestartRecord
 from .runtime import RankRuntime
 from .soft_timeout import report_soft_timeout
@@ -89,6 +90,7 @@ class Recovery:
         self.storm = StormBrake(StormLimits.from_environment())  # INPROCESS_RESTART_STORM: a bad value fails here
         self.rt: RankRuntime | None = None
         self.grow: GrowPoints | None = None  # the job's safe points (Wrapper(grow=...)): engine/grow.py
+        self.ending: RestartAbort | None = None  # raised here: this rank leaves with it at the decision it causes
 
     @property
     def runtime(self) -> RankRuntime:
@@ -195,6 +197,8 @@ class Recovery:
     def _health_check_step(self, record: RestartRecord, outcome: IterationOutcome) -> None:
         try:
             self.check_health()
+        except RestartAbort as e:
+            self.end_job(e)
         except BaseException as e:
             raise LeaveJob(e, Leave.HEALTH_CHECK_FAILED) from None
         record.health_checked_ns = time.monotonic_ns()
@@ -219,6 +223,14 @@ class Recovery:
         self._carry_out(decision, plan, summary)
         self._log_restart(record, verdict)
         self.storm.wait(verdict)  # a restart storm: every rank waits the same (engine/storm.py)
+
+    def end_at_decision(self, outcome: IterationOutcome) -> NoReturn:
+        """After this rank's RestartAbort in an iteration (:meth:`end_job`): no restart hooks run (nothing
+        restarts); it arrives at the restart barrier as a member and leaves at the decision that ends the job."""
+        self.set_phase(Phase.RESTART_BARRIER)
+        self._barrier_step(RestartRecord(self.state.iteration, [], 0, []), outcome)
+        raise LeaveJob(InternalError(f"initial rank {self.state.initial_rank} raised RestartAbort and the "
+                                     f"decision after it did not end the job"), Leave.TERMINATED)
 
     def _barrier(self, iteration: int, expected: int) -> Decision:
         s = self.state
@@ -256,8 +268,9 @@ class Recovery:
             self.runtime.protocol.leave(plan.iteration, plan.new_world_size)
             # The leader ran the failing hook: it leaves with the hook's own exception, as a
             # per-rank caller would; the others with a RestartAbort that names it.
+            # A rank whose own RestartAbort ended the job leaves with it.
             failure = self.assignment.take_failure() if decision.leader == s.initial_rank else None
-            raise LeaveJob(failure or RestartAbort(plan.ends_job), Leave.JOB_ENDED)
+            raise LeaveJob(self.ending or failure or RestartAbort(plan.ends_job), Leave.JOB_ENDED)
         if plan.transition is not Transition.JOIN:
             # A per-rank rank assignment: this rank's own run must give its row (else the next decision
             # ends the job). A joiner has no state of its own to run it on: the leader ran it as a spare's.
@@ -346,7 +359,7 @@ class Recovery:
                 type=type(exc).__name__, message=str(exc)[:300])
         if not leaving.reason.counted_already:
             try:
-                self._tell_the_others(leaving.reason.value, exc)
+                self._tell_the_others(fault_kind(leaving.reason, exc), exc)
             except Exception as e:
                 log.error("rank %d could not record its termination: %s", s.initial_rank, e)
         # Only now: until the rank is counted out, its monitor must count it out if it dies.
@@ -418,8 +431,27 @@ class Recovery:
             return
         try:
             hook(self.state.freeze())
+        except RestartAbort as e:
+            self.end_job(e)
         except BaseException as e:
             raise LeaveJob(e, failed) from None
+
+    def end_job(self, e: RestartAbort) -> None:
+        """This rank raised ``e`` (in ``initialize``, the function, or a hook): the job ends on every
+        rank at one decision. Recorded as a fault of kind ENDS_JOB, which the next barrier's leader
+        turns into a decision that ends the job (rank_assignment/decision.py); this rank goes on to that
+        barrier as a member and leaves there with ``e``, the others with a RestartAbort naming it. Had
+        it left at once, its leaving would restart the others into the next iteration first."""
+        s, rt = self.state, self.runtime
+        rt.trigger.stop(timeout=0)  # its restart is for the others: this rank runs no abort, nothing restarts
+        record = FaultRecord.from_exception(s.initial_rank, s.iteration, ENDS_JOB, e)
+        rt.protocol.report_fault(record)
+        rt.emit("fault", record.t_ns, iteration=s.iteration, fault=ENDS_JOB, type=record.type, message=record.message)
+        log.warning("rank %d: %s in iteration %d: %s; the job ends on every rank at the next decision",
+                    s.initial_rank, type(e).__name__, s.iteration, e)
+        release_frames(e)  # its traceback stays for the caller; the failed iteration's locals go
+        if self.ending is None:
+            self.ending = e
 
     # -- grow points -------------------------------------------------------------------------
 

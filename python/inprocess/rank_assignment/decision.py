@@ -29,6 +29,7 @@ from typing import Any
 from ..compose import leaves
 from ..control.membership import NONE, TERMINATED, Membership
 from ..control.protocol import Decision, FaultRecord
+from ..control.records import ENDS_JOB
 from ..exception import RankDiscarded, RestartAbort
 from ..state import FrozenState
 from .agreed import AgreedInputs, assigned_active_world_size, describe_row, row_of, table_row
@@ -195,7 +196,9 @@ def decide(
     first); ``dead`` the initial ranks lost at this restart. Never raises: a
     failing or inconsistent rank assignment, or a rank that reported a
     :class:`RankAssignmentMismatch`, becomes a decision that ends the job on
-    every rank (``abort``), with the error in its message. The exception of
+    every rank (``abort``), with the error in its message; so does a rank
+    that raised a ``RestartAbort`` (a fault of kind ``ENDS_JOB``), and then
+    the rank assignment does not run. The exception of
     a failing hook (not the consistency checks' own) is appended to
     ``failures``: the leader leaves with it, as the caller of a per-rank hook
     would. ``before_assignment``
@@ -208,19 +211,20 @@ def decide(
         if before_assignment is not None:
             before_assignment()
         _abort_on_mismatch(faults)
-        if uses_per_rank_hooks(rank_assignment):
+        abort = _ended_by_a_rank(faults)
+        if abort is not None:
+            membership, newly = _unchanged(previous, dead)
+        elif uses_per_rank_hooks(rank_assignment):
             seen = max(iteration - 1, 0) if hook_iteration is None else hook_iteration
             inputs = AgreedInputs(previous, iteration, seen, lambda: topology)
             membership, newly = run_per_rank(rank_assignment, inputs, dead)
         else:
             membership, newly = run_job_wide(rank_assignment, previous, dead, iteration, topology)
-        if membership.active_world_size == 0 and membership.world_size > 0:
+        if abort is None and membership.active_world_size == 0 and membership.world_size > 0:
             abort = "no active rank is left"
     except BaseException as e:
         log.error("rank assignment failed on leader %d: %s: %s", leader, type(e).__name__, e)
-        membership = previous.copy()
-        membership.terminate(dead)
-        newly = set(dead)
+        membership, newly = _unchanged(previous, dead)
         abort = f"rank assignment failed: {type(e).__name__}: {e}"
         if failures is not None and not isinstance(e, (InconsistentAssignment, RankAssignmentMismatch)):
             failures.append(e)
@@ -228,6 +232,25 @@ def decide(
     return Decision(
         iteration, membership, sorted(newly), faults, len(faults), leader, abort, end, assignment_ns=end - start
     )
+
+
+def _unchanged(previous: Membership, dead: set[int]) -> tuple[Membership, set[int]]:
+    """The membership of a decision that ends the job: the previous one, the lost ranks terminated."""
+    membership = previous.copy()
+    membership.terminate(dead)
+    return membership, set(dead)
+
+
+def _ended_by_a_rank(faults: list[FaultRecord]) -> str | None:
+    """Why the job ends when a rank raised a RestartAbort (a fault of kind ENDS_JOB): the ranks and the
+    first one's exception, whose message a caller may match on (RetryController's "iteration=<n>")."""
+    ending = sorted((f for f in faults if f.kind == ENDS_JOB), key=lambda f: f.rank)
+    if not ending:
+        return None
+    first = ending[0]
+    ranks = sorted({f.rank for f in ending})
+    who = f"initial rank {first.rank}" if len(ranks) == 1 else f"initial ranks {', '.join(map(str, ranks))}"
+    return f"{who} raised {first.type} in iteration {first.iteration}: {first.message}"
 
 
 def _abort_on_mismatch(faults: list[FaultRecord]) -> None:
