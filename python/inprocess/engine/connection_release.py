@@ -36,6 +36,17 @@ What it cannot prevent: a peer that is dead has closed its end already (a
 send to it may still be stranded until the timeout), and a message still
 being read when the gate gives up, or whose sender stalled for longer than
 ``quiet_ms`` in its middle, is cut by the end of file.
+
+Nor can it release a rank still inside gloo's full-mesh connect
+(``init_process_group``, ``connectFullMesh``), found by the chaos runner:
+the addresses travel through the iteration's store, whose connections the
+restart shuts down (that wait ends), but a pair whose peer died after
+publishing its address waits for the handshake inside gloo, in C++ without
+the GIL, until the group's timeout. None of its sockets is connected yet
+(nothing here to shut down) and the main thread's interrupt is delivered
+only once the call returns. The rank's hard timeout bounds it (its monitor
+kills it and counts it out); a short ``timeout=`` to
+``init_process_group`` bounds it sooner.
 """
 
 from __future__ import annotations
