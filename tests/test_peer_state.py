@@ -201,11 +201,14 @@ def test_a_lost_shard_comes_from_its_partners_copy_bitwise(snapshots: str, tmp_p
         first = faulty.rank(spare)["iterations"][0]
         assert first["rank"] in first["receivers"] and first["nbytes"] > 0, why
     # After the first kill initial rank 2 is rank 1: it receives shard 1 (from rank 0's copy) and
-    # sends its own old shard 2 and its copy of shard 3 to their new ranks. Its record and its
-    # line count what it received, one shard, not what it sent.
-    shifted = faulty.rank(2)["iterations"][1]
+    # sends its own old shard 2 to its new rank. Shard 3 goes to the spare from initial rank 2's copy
+    # when that copy holds the step the restore picked (the lowest holder), else from its owner,
+    # initial rank 3 (the copy is refreshed in the background after each commit: on a loaded machine
+    # it can lag a step). Its record and its line count what it received, one shard, not what it sent.
+    shifted, owner = faulty.rank(2)["iterations"][1], faulty.rank(3)["iterations"][1]
     size = shifted["shard_nbytes"]
-    assert shifted["rank"] == 1 and shifted["nbytes"] == size > 0 and shifted["sent"] == 2 * size, (shifted, why)
+    assert shifted["rank"] == 1 and shifted["nbytes"] == size > 0, (shifted, why)
+    assert shifted["sent"] in (size, 2 * size) and shifted["sent"] + owner["sent"] == 2 * size, (shifted, owner, why)
     line = re.search(r"r2 .*peer state: shard 1 of step \d+ from rank 0: (.+) in \d+ ms", faulty.job.outputs())
     assert line and line.group(1) == size_text(size), (line and line.group(0), why)
 
