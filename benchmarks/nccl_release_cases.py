@@ -213,7 +213,7 @@ def case_restart(args: dict[str, Any]) -> dict[str, Any]:
         from fakes.gpu_fakes import Fakes
 
         paths = Fakes(json.loads(os.environ["FAKE_PATHS"]))
-        nccl_reaper.device_memory = lambda device: mem_get_info(paths, device)  # torch.cuda.mem_get_info
+        nccl_reaper.device_free_bytes = lambda device: mem_get_info(paths, device)[0]  # torch.cuda.mem_get_info
     stage = args["stage"]  # "inside" the abort, "stage1" (beside the restart), "stage2" (beside the next iteration)
 
     def initialize(state: Any) -> None:

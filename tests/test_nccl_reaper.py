@@ -136,7 +136,7 @@ if plan.get("log_info"):
 
 groups = []  # this iteration's NCCL groups: what AbortTorchDistributed finds registered in torch
 abort_hook.nccl_backends = lambda torch, dist: list(groups)
-nccl_reaper.device_memory = lambda device: mem_get_info(fakes, device)  # torch.cuda.mem_get_info
+nccl_reaper.device_free_bytes = lambda device: mem_get_info(fakes, device)[0]  # torch.cuda.mem_get_info
 handed_while_tearing_down = []  # per hand-over: a teardown was still running (a fault beside Stage 2)
 running_when_aborts_start = []  # NCCL aborts running when a teardown's aborts start
 original_hand_over, original_aborts = nccl_reaper.REAPER.hand_over, nccl_abort.Aborts.__init__

@@ -80,8 +80,7 @@ class TeardownReport:
     aborted: int  # aborts that returned without an error
     errors: list[str]
     took_s: float  # hand-over to the last abort's return, as the gate saw it
-    waited_s: float  # how long the gate blocked (0: it was over before the restart needed it)
-    beside_next: bool = False  # Stage 2: it finished while the next iteration ran
+    waited_s: float  # how long the gate blocked (0: it finished while the next iteration ran, Stage 2)
 
 
 @dataclasses.dataclass
@@ -98,8 +97,8 @@ class _Teardown:
     memory_bytes: int | None = None
 
 
-def device_memory(device: int) -> tuple[int, int] | None:
-    """(free, total) bytes of CUDA device `device` (``torch.cuda.mem_get_info``: cudaMemGetInfo),
+def device_free_bytes(device: int) -> int | None:
+    """The free bytes of CUDA device `device` (``torch.cuda.mem_get_info``: cudaMemGetInfo's free),
     None where it cannot be read (no device, a CPU build of torch, a CUDA error)."""
     if device < 0:
         return None
@@ -108,8 +107,8 @@ def device_memory(device: int) -> tuple[int, int] | None:
 
         if not torch.cuda.is_available():
             return None
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
     except Exception as e:  # the memory is unknown: the gate waits
         log.debug("NCCL teardown: the free memory of cuda:%d cannot be read: %s", device, e)
         return None
@@ -146,8 +145,7 @@ class Reaper:
             log.warning("NCCL teardown: not every abort started within %gs", timeout)
         if beside_next:
             teardown.device = nccl_abort.rank_device(backends)
-            memory = device_memory(teardown.device)
-            teardown.free_at_hand_over = None if memory is None else memory[0]
+            teardown.free_at_hand_over = device_free_bytes(teardown.device)
         report.elapsed_s = time.monotonic() - handed_at
         return report
 
@@ -166,9 +164,9 @@ class Reaper:
             return None
         report = self.wait()
         if teardown.beside_next and teardown.free_at_hand_over is not None:
-            memory = device_memory(teardown.device)
-            if memory is not None and memory[0] > teardown.free_at_hand_over:
-                self.freed_bytes = memory[0] - teardown.free_at_hand_over
+            free = device_free_bytes(teardown.device)
+            if free is not None and free > teardown.free_at_hand_over:
+                self.freed_bytes = free - teardown.free_at_hand_over
         return report
 
     def _room_beside(self, teardown: _Teardown) -> bool:
@@ -177,11 +175,11 @@ class Reaper:
             log.info("NCCL teardown: the next iteration waits for it this time (what the old communicators "
                      "free is not known yet; it is measured now)")
             return False
-        memory = device_memory(teardown.device)
-        if memory is None or memory[0] < need:
-            free = "unknown" if memory is None else f"{memory[0] >> 20} MiB"
+        free = device_free_bytes(teardown.device)
+        if free is None or free < need:
+            shown = "unknown" if free is None else f"{free >> 20} MiB"
             log.info("NCCL teardown: the next iteration waits for it: cuda:%d has %s free, the old "
-                     "communicators hold %d MiB", teardown.device, free, need >> 20)
+                     "communicators hold %d MiB", teardown.device, shown, need >> 20)
             return False
         return True
 
@@ -223,8 +221,7 @@ class Reaper:
         aborted, errors = teardown.aborts.wait(teardown.deadline)
         now = time.monotonic()
         report = TeardownReport(len(teardown.aborts.backends), aborted, errors, now - teardown.handed_at,
-                                0.0 if waited_from is None else now - waited_from,
-                                beside_next=waited_from is None)
+                                0.0 if waited_from is None else now - waited_from)
         with self._lock:
             if self._teardown is teardown:
                 self._teardown = None
