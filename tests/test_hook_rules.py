@@ -3,7 +3,7 @@
 * initialize: an Exception is a fault of the rank -> the job restarts, every rank continues;
 * abort, finalize, health_check: any exception terminates that rank -> the others go on without it
   (health_check's as HealthCheckError; it also runs before every iteration, where it is a fault);
-* RestartAbort in initialize, finalize, health_check: the job ends on every rank at one decision;
+* RestartAbort in initialize, abort, finalize, health_check: the job ends on every rank at one decision;
 * rank_assignment (runs once, on the leader): the job ends on every rank, the leader with the hook's own
   exception, the others with RestartAbort naming it;
 * completion: the exception propagates to that rank's caller, the others return normally;
@@ -60,8 +60,9 @@ def test_recovery_hook_exception_terminates_the_rank(job, hook):
 
 
 @pytest.mark.parametrize("hook,faults,from_call", [
-    ("initialize", (), 1), ("health_check", (), 1), ("finalize", (FAULT_ON_2,), 1), ("health_check", (FAULT_ON_2,), 2),
-], ids=["initialize", "health_check_before_iteration", "finalize", "health_check_after_a_fault"])
+    ("initialize", (), 1), ("health_check", (), 1), ("abort", (FAULT_ON_2,), 1), ("finalize", (FAULT_ON_2,), 1),
+    ("health_check", (FAULT_ON_2,), 2),
+], ids=["initialize", "health_check_before_iteration", "abort", "finalize", "health_check_after_a_fault"])
 def test_restart_abort_in_a_hook_ends_the_job_on_every_rank_in_one_iteration(job, hook, faults, from_call):
     res = job(plan_with_hook(hook, kind="restart_abort", faults=faults, from_call=from_call))
     assert res.rank(1)["message"] == f"injected in {hook}", res.describe()

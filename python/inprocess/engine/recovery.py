@@ -185,6 +185,9 @@ class Recovery:
         if not outcome.done.wait(abort_wait):
             raise LeaveJob(TimeoutError(f"abort did not finish within {abort_wait:g}s"), Leave.ABORT_FAILED)
         self.check_outcome(outcome)
+        if isinstance(outcome.abort_error, RestartAbort):  # the abort hook's: the job ends, at one decision
+            self.end_job(outcome.abort_error)
+            self.end_at_decision(outcome)
         if outcome.abort_error is not None:
             raise LeaveJob(outcome.abort_error, Leave.ABORT_FAILED)
         record.detected_ns, record.aborted_ns = outcome.detected_ns, outcome.aborted_ns
