@@ -149,17 +149,17 @@ KillResult kill_sequence(int pidfd, int64_t grace_ns, int64_t kill_wait_ns) noex
   }
 
   // From here ESRCH means it died while we were signalling it.
-  if (sys_pidfd_send_signal(pidfd, SIGCONT) != 0) {
+  if (sys_pidfd_send_signal(pidfd, SIGTERM) != 0) {
     if (errno != ESRCH) return finish(r, KillOutcome::kSignalFailed, errno);
     r.dead_ns = monotonic_ns();
     return finish(r, KillOutcome::kAlreadyExited);
   }
-  if (sys_pidfd_send_signal(pidfd, SIGTERM) != 0) {
-    if (errno != ESRCH) return finish(r, KillOutcome::kSignalFailed, errno);
-    r.dead_ns = monotonic_ns();
-    return finish(r, KillOutcome::kExitedDuringGrace);
-  }
   r.term_sent_ns = monotonic_ns();
+  // SIGCONT second (header): a stopped process whose SIGTERM is fatal has died of it already
+  // (ESRCH here, or a zombie that takes the signal); one with a handler runs it once continued.
+  if (sys_pidfd_send_signal(pidfd, SIGCONT) != 0 && errno != ESRCH) {
+    return finish(r, KillOutcome::kSignalFailed, errno);
+  }
 
   switch (wait_readable(pidfd, -1, add_saturated(r.term_sent_ns, grace_ns))) {
     case Wake::kExited:

@@ -1,7 +1,7 @@
 #pragma once
 
 // Monitor-process side of native monitoring: liveness of a rank through a
-// pidfd, the SIGCONT/SIGTERM/grace/SIGKILL sequence, and the thread that
+// pidfd, the SIGTERM/SIGCONT/grace/SIGKILL sequence, and the thread that
 // enforces the hard timeout read from the rank's heartbeat page.
 //
 // A pidfd names one process, not a number: once the process is gone a signal
@@ -31,7 +31,7 @@ bool wait_for_exit(int pidfd, int64_t timeout_ns);
 
 enum class KillOutcome : int32_t {
   kAlreadyExited = 0,     // dead before the sequence began: no signal was sent
-  kExitedDuringGrace = 1, // died after SIGCONT + SIGTERM, within the grace time
+  kExitedDuringGrace = 1, // died after SIGTERM + SIGCONT, within the grace time
   kKilled = 2,            // still alive after the grace: SIGKILL sent, death seen
   kKillUnconfirmed = 3,   // SIGKILL sent, but no death within kill_wait (e.g. stuck in a driver, state D)
   kSignalFailed = 4,      // a signal could not be sent (KillResult::error holds errno, e.g. EPERM, EBADF)
@@ -53,9 +53,15 @@ struct KillResult {
 
 constexpr int64_t kDefaultKillWaitNs = 5'000'000'000;  // after SIGKILL, how long to wait to see the death
 
-// SIGCONT + SIGTERM, wait up to `grace_ns` for the death, then SIGKILL and wait
-// up to `kill_wait_ns` to see it. SIGCONT comes first so that a stopped rank
-// (SIGSTOP, a debugger detached badly) can act on SIGTERM during the grace.
+// SIGTERM + SIGCONT, wait up to `grace_ns` for the death, then SIGKILL and wait
+// up to `kill_wait_ns` to see it. SIGCONT lets a stopped rank (SIGSTOP, a
+// debugger detached badly) act on SIGTERM during the grace; it comes second
+// so that a stopped rank whose SIGTERM is fatal (no handler: the default) dies
+// without running again. Sent first, it let such a rank run between the two
+// signals: a rank frozen on its way to a restart barrier arrived there, healthy,
+// before the SIGTERM ended it, and the job needed a second restart to exclude it
+// (a loaded machine, tests/test_fault_matrix.py's rank frozen at the barrier;
+// tests/test_native_killer.py shows it with the rank scheduled first).
 //
 // Only system calls happen here (pidfd_send_signal, ppoll, clock_gettime): no
 // allocation, no lock, no CUDA/NCCL/Python, so it can run from any thread of

@@ -58,7 +58,7 @@ void register_killer(py::module_& m) {
         "Wait up to `timeout_ns` for the process behind `pidfd` to exit; True as soon as it has.");
   m.def("kill_sequence", &inprocess::kill_sequence, py::arg("pidfd"), py::arg("grace_ns"),
         py::arg("kill_wait_ns") = inprocess::kDefaultKillWaitNs, py::call_guard<py::gil_scoped_release>(),
-        "SIGCONT + SIGTERM, up to `grace_ns` for the death, then SIGKILL and up to `kill_wait_ns` to see it.");
+        "SIGTERM + SIGCONT, up to `grace_ns` for the death, then SIGKILL and up to `kill_wait_ns` to see it.");
   m.def("kill_pid_sequence", &inprocess::kill_pid_sequence, py::arg("pid"), py::arg("grace_ns"),
         py::arg("kill_wait_ns") = inprocess::kDefaultKillWaitNs, py::call_guard<py::gil_scoped_release>(),
         "kill_sequence for a pid, through a pidfd opened first (a recycled pid is never signalled).");

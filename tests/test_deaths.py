@@ -1,6 +1,6 @@
 """Ranks that die without raising, seen by their monitor process, on a real 4-rank job:
 SIGKILL, os._exit, a segfault, a hang holding the GIL and a SIGSTOP (both killed at the
-hard timeout: SIGCONT + SIGTERM, then SIGKILL after the grace).
+hard timeout: SIGTERM + SIGCONT, then SIGKILL after the grace).
 The dead rank is excluded and the other three finish with world size 3."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 LEAVES: dict[str, tuple[int, str] | None] = {
     "exception": None,  # a fault of this rank: every rank restarts, nobody leaves
     "hang": None,  # GIL released: soft timeout, the job restarts, the hung rank is interrupted and continues
-    "gil_hang": (-signal.SIGTERM, "hard_timeout"),  # its monitor: SIGCONT + SIGTERM at hard_timeout
+    "gil_hang": (-signal.SIGTERM, "hard_timeout"),  # its monitor: SIGTERM + SIGCONT at hard_timeout
     "sigstop": (-signal.SIGTERM, "hard_timeout"),
     "sigkill": (-signal.SIGKILL, "killed"),
     "sigterm": (-signal.SIGTERM, "killed"),  # no handler: the default action, seen by the monitor's pidfd

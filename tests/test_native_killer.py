@@ -6,6 +6,7 @@ Real child processes, real signals. Every child is killed and reaped by the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -227,6 +228,78 @@ def test_stopped_process_is_continued_and_terminated(spawn: Spawn, pidfds: Calla
     assert r.outcome == _native.KillOutcome.EXITED_DURING_GRACE
     assert r.dead_ns - r.term_sent_ns < SEEN_AT_ONCE_NS
     assert proc.wait(timeout=5) == -signal.SIGTERM
+
+
+# A stopped child scheduled ahead of the killer (SCHED_FIFO, both on one CPU: a real-time task that
+# wakes preempts the killer at once), so that any moment it may run between the killer's signals, it
+# does. In a process of its own, whose CPU affinity the suite keeps out of. Prints how many of the
+# children wrote after their kill began, and their statuses.
+FROZEN_CHILD_FIRST = """
+import json, os, signal, subprocess, sys, time
+from inprocess import _native
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})
+ran, statuses = 0, []
+for _ in range(int(sys.argv[1])):
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while True:
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        if time.monotonic() > deadline:
+            child.kill()
+            sys.exit(f"child {child.pid} did not stop itself within 20 s")
+        time.sleep(0.001)
+    try:
+        os.sched_setscheduler(child.pid, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError as e:
+        child.kill()
+        child.wait()
+        print(json.dumps({"denied": str(e)}))
+        sys.exit(0)
+    fd = _native.pidfd_open(child.pid)
+    _native.kill_sequence(fd, 2_000_000_000)
+    os.close(fd)
+    ran += child.stdout.read() != b""
+    statuses.append(child.wait())
+print(json.dumps({"ran": ran, "statuses": statuses}))
+"""
+
+
+def run_frozen_children(child: str, n: int = 10) -> dict:
+    out = subprocess.run([sys.executable, "-c", FROZEN_CHILD_FIRST, str(n), textwrap.dedent(child)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    if "denied" in result:
+        pytest.skip(f"a real-time priority for the child is not permitted here ({result['denied']}): "
+                    "without it the child cannot be scheduled ahead of the killer")
+    return result
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_process_without_a_handler_dies_without_running_again() -> None:
+    """A rank frozen on its way somewhere (a SIGSTOP on entering the restart barrier) must not get
+    there once its monitor kills it: SIGTERM goes first, fatal to a stopped process at once, and only
+    then SIGCONT. With SIGCONT first, every child here wrote and exited 0 before its SIGTERM came."""
+    result = run_frozen_children("""
+        import os, signal
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os.write(1, b"ran")
+        """)
+    assert result == {"ran": 0, "statuses": [-signal.SIGTERM] * 10}, result
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_process_with_a_handler_runs_it_once_continued() -> None:
+    """SIGCONT still follows: a stopped process that handles SIGTERM acts on it during the grace."""
+    result = run_frozen_children("""
+        import os, signal, sys
+        signal.signal(signal.SIGTERM, lambda *_: (os.write(1, b"handled"), os._exit(3)))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        """)
+    assert result == {"ran": 10, "statuses": [3] * 10}, result
 
 
 @pytest.mark.timeout(30)

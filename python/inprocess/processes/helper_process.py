@@ -117,12 +117,12 @@ class HelperProcess:
             return False
 
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGCONT (a frozen process would not see what follows) and SIGTERM;
+        """SIGTERM and SIGCONT (a frozen process acts on the SIGTERM once continued);
         SIGKILL if it is still there after ``grace_s`` (the config's
         ``stop_grace_s`` by default). Reaped either way; returns its status."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGCONT)
             self.popen.terminate()
+            self.popen.send_signal(signal.SIGCONT)
             try:
                 self.popen.wait(self.config.stop_grace_s if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:

@@ -6,7 +6,7 @@ with :meth:`~inprocess.processes.contract.HelperProcess.start`). The monitor
 
 - sees the rank's death at once through a pidfd (no poll interval),
 - enforces the hard timeout written on the rank's heartbeat page
-  (SIGCONT + SIGTERM, grace, SIGKILL, in the native
+  (SIGTERM + SIGCONT, grace, SIGKILL, in the native
   :class:`inprocess._native.HardTimeoutGuard`, which needs no Python),
 - when the rank died in the middle of the job, records the fault in the store
   and arrives at the next barrier as terminated on the rank's behalf, so that
