@@ -66,3 +66,17 @@ def test_a_short_seeded_run_breaks_no_invariant(tmp_path: pathlib.Path):
     assert all(checked[name] > 0 for name in ("one_decision", "went_on_by_decision", "bounded_resume",
                                               "counted_at_next", "nothing_left")), checked
     assert "python -m inprocess.chaos run --seed 3 --faults 10" in run.stdout  # the seed and how to replay it
+
+
+@pytest.mark.timeout(60)
+def test_a_run_refuses_an_out_folder_that_holds_an_earlier_run(tmp_path: pathlib.Path):
+    """Run twice into one folder, the checker read both runs' events as one job: 2 different decisions
+    of barrier 0, two processes in one seat's life, "violations" that never happened. It says so at once."""
+    out = tmp_path / "run"
+    (out / "events").mkdir(parents=True)
+    (out / "events" / "rank0.jsonl").write_text("{}\n")
+    run = subprocess.run([sys.executable, "-m", "inprocess.chaos", "run", "--seed", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"--out {out} is not empty (events)" in run.stderr and "give a new or empty folder" in run.stderr
+    assert not (out / "launch.log").exists()  # nothing started

@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--ranks", type=int, default=4, help="active ranks (default 4)")
     r.add_argument("--spares", type=int, default=1, help="spare ranks (default 1)")
     r.add_argument("--nodes", type=int, default=1, help="simulated nodes, each with a node agent (default 1)")
-    r.add_argument("--out", default=None, help="where the job's events, logs and report go (default: a temp dir)")
+    r.add_argument("--out", default=None,
+                   help="a new or empty folder for the job's events, logs and report (default: a temp dir)")
     r.add_argument("--steps", type=int, default=40, help="steps per iteration, 25 ms each (default 40)")
     r.add_argument("--timeout", type=float, default=None, help="the whole run's limit in seconds")
     r.add_argument("--kinds", default=None, help="only these fault kinds (comma-separated)")

@@ -163,6 +163,12 @@ def main(args: argparse.Namespace) -> int:
     kinds = set(args.kinds.split(",")) if args.kinds else None
     schedule = draw(seed, args.faults, args.ranks, args.spares, args.nodes, steps=args.steps, kinds=kinds)
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix=f"inprocess-chaos-{seed}-"))
+    if out.is_dir() and any(out.iterdir()):
+        # An earlier run's events would be read with this one's as one job: violations that never happened.
+        print(f"inprocess.chaos run: --out {out} is not empty ({', '.join(sorted(p.name for p in out.iterdir()))}): "
+              f"give a new or empty folder (the invariants are checked on every event file in its events/)",
+              file=sys.stderr)
+        return 2
     timeout_s = args.timeout or max(120.0, (3.0 + 0.05 * args.steps) * args.faults)
     replay = (f"python -m inprocess.chaos run --seed {seed} --faults {args.faults} --ranks {args.ranks} "
               f"--spares {args.spares} --nodes {args.nodes} --steps {args.steps}"
