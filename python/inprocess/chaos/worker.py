@@ -45,8 +45,10 @@ class ChaosFiller(RuntimeError):
     """The iteration's scheduled fault did not fire: the iteration restarts all the same."""
 
 
-def observe(call_wrapper: inprocess.CallWrapper, iteration: int, active_rank: int | None) -> None:
-    record: dict[str, Any] = {"iteration": iteration, "fds": len(os.listdir("/proc/self/fd"))}
+def observe(call_wrapper: inprocess.CallWrapper, iteration: int, active_rank: int | None, world: int) -> None:
+    # The group's size with it: gloo holds one socket per peer, so the count follows the world as it grows back.
+    record: dict[str, Any] = {"iteration": iteration, "fds": len(os.listdir("/proc/self/fd")),
+                              "world": world}
     if active_rank == 0:
         try:
             record["keys"] = [str(k) for k in call_wrapper._runtime.store.list_keys()]
@@ -69,7 +71,7 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> int:  # type: ignore[as
     dist.init_process_group("gloo", store=call_wrapper.store, rank=s.active_rank, world_size=s.active_world_size,
                             timeout=datetime.timedelta(seconds=15))
     # Once the group is made: the failed iteration's connections are held until then (engine/connection_release).
-    observe(call_wrapper, s.iteration, s.active_rank)
+    observe(call_wrapper, s.iteration, s.active_rank, s.active_world_size)
     total = torch.zeros(1)
     for step in range(SCHEDULE.steps):
         call_wrapper.ping()
