@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from inprocess.chaos import invariants
 from inprocess.chaos import schedule as chaos_schedule
+from inprocess.chaos.runner import read_observations
 from inprocess.chaos.schedule import ALL_KINDS, Schedule, draw
 from inprocess.faults.plan import FaultPlan
 
@@ -80,3 +82,19 @@ def test_a_run_refuses_an_out_folder_that_holds_an_earlier_run(tmp_path: pathlib
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"--out {out} is not empty (events)" in run.stderr and "give a new or empty folder" in run.stderr
     assert not (out / "launch.log").exists()  # nothing started
+
+
+@pytest.mark.parametrize("worlds, fds, leak", [
+    ([2, 2, 3, 5, 8, 8, 8, 8, 8, 8, 8, 8], [17 + w for w in [2, 2, 3, 5, 8, 8, 8, 8, 8, 8, 8, 8]], False),
+    ([8] * 12, [19, 19, 20, 20, 21, 22, 23, 24, 25, 26, 27, 28], True),
+], ids=["the_world_grew_back", "a_leak"])
+def test_descriptors_are_judged_beyond_one_per_peer(tmp_path: pathlib.Path, worlds, fds, leak):
+    """A process whose group grew back from 2 to 8 ranks holds a gloo socket per peer more (seed 31's long
+    run: 17 + the world at every iteration), which is no leak; descriptors that grow in one world are."""
+    records = [{"iteration": i, "fds": n, "world": w} for i, (n, w) in enumerate(zip(fds, worlds, strict=True))]
+    (tmp_path / "8.7199.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    o = invariants.Observations()
+    read_observations(tmp_path, o)
+    assert o.fds == {"8.7199": [n - w for n, w in zip(fds, worlds, strict=True)]}
+    found = invariants.check_nothing_left(o).violations
+    assert (len(found) == 1 and "descriptors grow" in str(found[0])) if leak else not found, found

@@ -151,13 +151,18 @@ class Run:
             os.kill(pid, signal.SIGKILL)
         o = invariants.Observations(leftover_processes=[f"pid {p}: {c}" for p, c in left.items()],
                                     leftover_shm=sorted(_shm() - shm_before))
-        for path in sorted((self.out / "obs").glob("*.jsonl")):
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            # Beyond one per peer (gloo's full mesh): a process whose world grew back from 2 to 8 ranks holds six
-            # more sockets, flat from then on, which is not a leak (seed 31's rerun called it one).
-            o.fds[path.stem] = [r["fds"] - r.get("world", 0) for r in records]
-            o.store_keys += [(r["iteration"], r["keys"]) for r in records if "keys" in r]
+        read_observations(self.out / "obs", o)
         return o
+
+
+def read_observations(obs: pathlib.Path, o: invariants.Observations) -> None:
+    """What the workers wrote to ``obs/`` (worker.observe), into ``o``: each process's descriptors per
+    iteration, beyond one per peer (gloo's full mesh: a process whose world grew back from 2 to 8 ranks
+    holds six more sockets from then on, which is no leak), and the store's keys."""
+    for path in sorted(obs.glob("*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        o.fds[path.stem] = [r["fds"] - r.get("world", 0) for r in records]
+        o.store_keys += [(r["iteration"], r["keys"]) for r in records if "keys" in r]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,11 +170,11 @@ def main(args: argparse.Namespace) -> int:
     kinds = set(args.kinds.split(",")) if args.kinds else None
     schedule = draw(seed, args.faults, args.ranks, args.spares, args.nodes, steps=args.steps, kinds=kinds)
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix=f"inprocess-chaos-{seed}-"))
-    if out.is_dir() and any(out.iterdir()):
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
         # An earlier run's events would be read with this one's as one job: violations that never happened.
-        print(f"inprocess.chaos run: --out {out} is not empty ({', '.join(sorted(p.name for p in out.iterdir()))}): "
-              f"give a new or empty folder (the invariants are checked on every event file in its events/)",
-              file=sys.stderr)
+        print(f"inprocess.chaos run: --out {out} is not empty ({', '.join(held)}): give a new or empty folder "
+              f"(the invariants are checked on every event file in its events/)", file=sys.stderr)
         return 2
     timeout_s = args.timeout or max(120.0, (3.0 + 0.05 * args.steps) * args.faults)
     replay = (f"python -m inprocess.chaos run --seed {seed} --faults {args.faults} --ranks {args.ranks} "
